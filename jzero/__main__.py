@@ -1,0 +1,3 @@
+from jzero._cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""The collectives jzero writes, for use inside ``jax.shard_map`` over the ``data`` axis.
+
+Every function here runs in the per-device (local) view. ``Sharded`` is the handle a
+stage-2/3 loss function receives for a sharded parameter; :func:`gather` turns it into the
+full parameter, with the backward pass reduce-scattering its gradient.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from ._layout import LeafLayout
+from ._mesh import DATA
+
+GATHERED = "jzero_gathered"
+"""``checkpoint_name`` of every gathered parameter, so remat policies can refuse to save
+it: backward then gathers again instead of keeping forward's copy alive."""
+
+
+def regather_policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """Remat policy for stage 3: save anything except gathered parameters.
+
+    Refuses the results of ``all_gather`` and of the negative ``lax.pad`` that trims its
+    padding (user code has no use for negative pads),
+    so backward gathers each parameter again rather than keeping forward's copy.
+    """
+    if prim is jax.lax.all_gather_p:
+        return False
+    if prim is jax.lax.pad_p:
+        return not any(hi < 0 for _, hi, _ in params["padding_config"])
+    if prim.name == "name":  # checkpoint_name's primitive
+        return params.get("name") != GATHERED
+    return True
+
+
+def _axis(x: jax.Array, layout: LeafLayout) -> int:
+    # Counted so that leading stacked axes (lax.scan over layers) do not shift it.
+    return x.ndim - len(layout.shape) + layout.dim
+
+
+def all_gather(shard: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Local shard -> full parameter of the true shape (padding dropped)."""
+    axis = _axis(shard, layout)
+    full = jax.lax.all_gather(shard, DATA, axis=axis, tiled=True)
+    if layout.pad:  # a negative lax.pad, not a slice, so that regather_policy can spot it
+        config = [(0, 0, 0)] * full.ndim
+        config[axis] = (0, -layout.pad, 0)
+        full = jax.lax.pad(full, jnp.zeros((), full.dtype), config)
+    return checkpoint_name(full, GATHERED)
+
+
+def reduce_scatter(grad: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Local full gradient -> this device's shard of the sum over devices."""
+    padded = pad_local(grad, layout)
+    return jax.lax.psum_scatter(padded, DATA, scatter_dimension=_axis(grad, layout), tiled=True)
+
+
+def pad_local(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Like :func:`pad` but for a leaf that may carry leading stacked axes."""
+    if not layout.pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[_axis(x, layout)] = (0, layout.pad)
+    return jnp.pad(x, widths)
+
+
+def local_shard(full: jax.Array, layout: LeafLayout) -> jax.Array:
+    """This device's shard of a replicated full leaf (no communication)."""
+    padded = pad_local(full, layout)
+    axis = _axis(full, layout)
+    size = padded.shape[axis] // jax.lax.axis_size(DATA)
+    return jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(DATA) * size, size, axis)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _use_replica(sink: jax.Array, full: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Stage 2: forward uses the local full copy; backward reduce-scatters into ``sink``."""
+    del sink
+    return jax.lax.pcast(full, DATA, to="varying")
+
+
+def _use_replica_fwd(sink, full, layout):
+    return _use_replica(sink, full, layout), None
+
+
+def _use_replica_bwd(layout, _, ct):
+    return reduce_scatter(ct, layout), None
+
+
+_use_replica.defvjp(_use_replica_fwd, _use_replica_bwd)
+
+
+@jax.tree_util.register_pytree_node_class
+class Sharded:
+    """A sharded parameter as the loss function sees it in stages 2 and 3.
+
+    Attributes:
+        shard: stage 3: this device's shard of the stored parameter; stage 2: a zero array
+            of the shard's shape that receives the reduce-scattered gradient.
+        full: stage 2: the replicated full parameter; stage 3: None.
+        layout: the leaf's :class:`LeafLayout` (static).
+    """
+
+    def __init__(self, shard: jax.Array, full: jax.Array | None, layout: LeafLayout):
+        self.shard, self.full, self.layout = shard, full, layout
+
+    def tree_flatten(self):
+        return (self.shard, self.full), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(*children, layout)
+
+    def gather(self) -> jax.Array:
+        if self.full is None:
+            return all_gather(self.shard, self.layout)
+        return _use_replica(self.shard, self.full, self.layout)
+
+    def __repr__(self) -> str:
+        return f"Sharded(shape={self.layout.shape}, dim={self.layout.dim})"
+
+
+def gather(tree: Any) -> Any:
+    """Full parameters from a tree that may hold :class:`Sharded` handles.
+
+    Inside a loss function given to ``ZeroOptimizer.train_step(..., manual_gather=True)``,
+    call this on each layer's parameters where the layer uses them (e.g. inside the body
+    of a ``lax.scan`` over stacked layers): stage 3 then all-gathers one layer at a time and
+    backward gathers it again. Outside stages 2/3, and on plain arrays, it returns its
+    input unchanged, so the same loss function serves every stage.
+
+    Examples:
+        >>> def loss_fn(params, batch):
+        ...     def layer(x, p):
+        ...         p = jzero.gather(p)
+        ...         return jnp.tanh(x @ p['w']), None
+        ...     x, _ = jax.lax.scan(layer, batch['x'], params['layers'])
+        ...     return jnp.mean((x - batch['y']) ** 2)
+    """
+    return jax.tree.map(
+        lambda x: x.gather() if isinstance(x, Sharded) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, Sharded),
+    )

@@ -1,0 +1,357 @@
+"""Memory and communication estimates for ZeRO stages 0-3 (pure Python, no JAX).
+
+Model-state bytes per device follow the ZeRO paper (Rajbhandari et al. 2019, Table 1).
+With Ψ parameters, N data-parallel devices and K bytes of optimizer state per parameter,
+mixed precision (16-bit params and grads) gives::
+
+    stage 0: (2 + 2 + K)·Ψ        stage 2: 2Ψ + (2 + K)·Ψ/N
+    stage 1: 2Ψ + 2Ψ + K·Ψ/N      stage 3: (2 + 2 + K)·Ψ/N
+
+and fp32 training replaces each 2 by 4. GB means 10^9 bytes throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+Stage = Literal[0, 1, 2, 3]
+Precision = Literal["mixed", "fp32"]
+STAGES: tuple[Stage, ...] = (0, 1, 2, 3)
+STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+# Default K (optimizer bytes per parameter, Adam). mixed: fp32 master copy + two fp32
+# moments = 12. fp32: the parameters are already the fp32 master, so two moments = 8.
+DEFAULT_K = {"mixed": 12, "fp32": 8}
+_PARAM_BYTES = {"mixed": 2, "fp32": 4}  # bytes per parameter of params, and of grads
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes per device for one ZeRO stage (floats: Ψ/N need not be whole)."""
+
+    stage: int
+    params_bytes: float  # parameters held: full copy, or a 1/N shard at stage 3
+    grads_bytes: float  # gradients held: full, or a 1/N shard at stages 2-3
+    optimizer_bytes: float  # K·Ψ, or a 1/N shard at stages 1-3
+    gathered_layer_bytes: float  # stage 3: the largest layer's params, gathered in full
+    activation_bytes: float  # as given (see `transformer_activation_bytes`)
+    buffer_bytes: float  # communication buffers, as given
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        extra = self.gathered_layer_bytes + self.activation_bytes + self.buffer_bytes
+        return self.model_state_bytes + extra
+
+    def to_dict(self) -> dict[str, float]:
+        """All fields plus `model_state_bytes` and `total_bytes`, for JSON."""
+        d = dataclasses.asdict(self)
+        return d | {"model_state_bytes": self.model_state_bytes, "total_bytes": self.total_bytes}
+
+
+def _check_stage(stage: Any) -> None:
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(
+            f"stage must be 0, 1, 2 or 3, got {stage!r}: use 0 (plain data parallel), "
+            "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)."
+        )
+
+
+def _check_ints(**values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(
+                f"{name} must be an integer >= 1, got {value!r}: pass a whole count, e.g. {name}=8."
+            )
+
+
+def _check_nonneg(**values: Any) -> None:
+    for name, value in values.items():
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}: e.g. 7.5e9.")
+
+
+def _resolve_k(precision: Any, k: float | None) -> float:
+    if precision not in DEFAULT_K:
+        raise ValueError(
+            f"precision must be 'mixed' or 'fp32', got {precision!r}: use 'mixed' for 16-bit "
+            "params/grads with an fp32 master copy, 'fp32' for full precision."
+        )
+    k = DEFAULT_K[precision] if k is None else k
+    _check_nonneg(k=k)
+    return k
+
+
+def _state_bytes(
+    params: float, devices: int, stage: int, param_b: float, grad_b: float, opt_b: float
+) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes; opt state sharded from stage 1, grads 2, params 3."""
+    shard = lambda b, sharded_from: b * params / (devices if stage >= sharded_from else 1)
+    return shard(param_b, 3), shard(grad_b, 2), shard(opt_b, 1)
+
+
+def theory_model_state_bytes(
+    *,
+    params: float,
+    devices: int,
+    stage: Stage,
+    param_bytes: float,
+    grad_bytes: float,
+    opt_bytes: float,
+) -> float:
+    """Model-state bytes per device of DESIGN section 1, for any bytes per parameter.
+
+    Stage s shards the optimizer state (s >= 1), gradients (s >= 2) and parameters (s = 3)
+    over the N devices; the rest is replicated.
+
+    Args:
+        params: parameter count Ψ.
+        devices: data-parallel degree N.
+        stage: ZeRO stage, 0 to 3.
+        param_bytes, grad_bytes, opt_bytes: bytes per parameter of the parameters, the
+            gradients and the optimizer state (e.g. 4, 4, 8 for fp32 Adam).
+    """
+    _check_stage(stage)
+    _check_ints(devices=devices)
+    _check_nonneg(
+        params=params, param_bytes=param_bytes, grad_bytes=grad_bytes, opt_bytes=opt_bytes
+    )
+    return float(sum(_state_bytes(params, devices, stage, param_bytes, grad_bytes, opt_bytes)))
+
+
+def theory_comm_bytes(*, stage: Stage, param_bytes_S: float, devices: int) -> float:
+    """Bytes each device sends per step in the ring model (DESIGN section 1).
+
+    Stages 0-2 move 2·S·(N−1)/N (an all-reduce, or a reduce-scatter plus an all-gather);
+    stage 3 moves 3·S·(N−1)/N (params gathered in forward and again in backward, grads
+    reduce-scattered). S is the bytes of one full copy of the parameters in the
+    collective's dtype.
+    """
+    _check_stage(stage)
+    _check_ints(devices=devices)
+    _check_nonneg(param_bytes_S=param_bytes_S)
+    return (3 if stage == 3 else 2) * param_bytes_S * (devices - 1) / devices
+
+
+def transformer_activation_bytes(
+    *,
+    batch: int,
+    seq: int,
+    hidden: int,
+    layers: int,
+    heads: int | None = None,
+    checkpointing: bool = False,
+    model_parallel: int = 1,
+) -> float:
+    """Activation bytes per device of a transformer with 16-bit activations.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models"): one layer stores about 34·b·s·h bytes, plus 5·a·s²·b for the attention
+    scores, softmax output and dropout mask when the a heads' s×s scores are stored.
+    Without checkpointing all L layers are kept: L·(34·b·s·h + 5·a·s²·b). With full
+    activation checkpointing only each layer's input is kept (2·b·s·h bytes) plus one
+    layer's full activations while it is recomputed: L·2·b·s·h + 34·b·s·h + 5·a·s²·b.
+
+    Args:
+        batch: micro-batch size b per data-parallel device.
+        seq: sequence length s.
+        hidden: hidden size h.
+        layers: number of layers L.
+        heads: attention heads a; None leaves out the 5·a·s²·b term (right for fused
+            attention kernels that never store the s×s scores).
+        checkpointing: full activation checkpointing (recompute each layer in backward).
+        model_parallel: tensor-parallel degree M, assumed with sequence parallelism,
+            which divides every term by M.
+    """
+    _check_ints(batch=batch, seq=seq, hidden=hidden, layers=layers, model_parallel=model_parallel)
+    if heads is not None:
+        _check_ints(heads=heads)
+    layer = 34 * batch * seq * hidden + (5 * heads * seq**2 * batch if heads else 0)
+    kept = layers * 2 * batch * seq * hidden + layer if checkpointing else layers * layer
+    return kept / model_parallel
+
+
+def estimate(
+    *,
+    params: float,
+    devices: int,
+    stage: Stage,
+    k: float | None = None,
+    precision: Precision = "mixed",
+    model_parallel: int = 1,
+    largest_layer_params: float = 0.0,
+    prefetch: bool = False,
+    activation_bytes: float = 0.0,
+    buffer_bytes: float = 0.0,
+) -> Estimate:
+    """Memory per device of one ZeRO stage.
+
+    Args:
+        params: parameter count Ψ of the whole model.
+        devices: data-parallel degree N.
+        stage: ZeRO stage, 0 to 3.
+        k: optimizer bytes per parameter; default 12 for "mixed" (fp32 master + two Adam
+            moments) and 8 for "fp32" (two moments; the params are the master copy).
+        precision: "mixed" (2-byte params and grads) or "fp32" (4-byte params and grads).
+        model_parallel: tensor/model-parallel degree M; Ψ is divided by M first.
+        largest_layer_params: parameter count of the largest layer. Stage 3 holds it
+            gathered in full (in the param dtype, divided by M) while it computes.
+        prefetch: stage 3 gathers the next layer while computing this one: doubles the
+            gathered-layer term.
+        activation_bytes: activation bytes per device, e.g. from
+            `transformer_activation_bytes`; added as given.
+        buffer_bytes: communication buffers per device, e.g. a fused bucket's elements
+            times bytes per element; added as given.
+
+    Examples:
+        >>> round(estimate(params=7.5e9, devices=64, stage=1).total_bytes / 1e9, 1)
+        31.4
+    """
+    _check_stage(stage)
+    _check_ints(devices=devices, model_parallel=model_parallel)
+    _check_nonneg(params=params, activation_bytes=activation_bytes, buffer_bytes=buffer_bytes)
+    _check_nonneg(largest_layer_params=largest_layer_params)
+    k = _resolve_k(precision, k)
+    pb = _PARAM_BYTES[precision]
+    states = _state_bytes(params / model_parallel, devices, stage, pb, pb, k)
+    gathered = (2 if prefetch else 1) * pb * largest_layer_params / model_parallel
+    gathered = gathered if stage == 3 and devices > 1 else 0.0
+    return Estimate(stage, *states, gathered, float(activation_bytes), float(buffer_bytes))
+
+
+def stage_table(**kwargs: Any) -> tuple[Estimate, ...]:
+    """`estimate` for stages 0, 1, 2 and 3, with the same keyword arguments but `stage`."""
+    return tuple(estimate(stage=stage, **kwargs) for stage in STAGES)
+
+
+def parse_bytes(text: str) -> float:
+    """Parses a memory size: bytes ("80e9") or with a unit ("80GB", "80 GiB", "512MB")."""
+    number = r"(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?"
+    m = re.fullmatch(rf"\s*({number})\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise ValueError(
+            f"cannot parse memory size {text!r}: write bytes (80e9) or a number with a "
+            "unit (80GB, 80GiB, 512MB)."
+        )
+    unit = (m.group(2) or "").lower()  # "", "g" (1e9) or "gi" (2**30), ...
+    scale = 1024.0 ** " kmgt".index(unit[0]) if unit.endswith("i") else _UNITS[unit]
+    return float(m.group(1)) * scale
+
+
+def max_params(
+    *,
+    device_memory: float | str,
+    devices: int,
+    stage: Stage,
+    largest_layer_fraction: float = 0.0,
+    **kwargs: Any,
+) -> int:
+    """Largest parameter count Ψ whose `estimate(...).total_bytes` fits in `device_memory`.
+
+    Everything but Ψ is held fixed; the total is affine in Ψ, and the result satisfies
+    `estimate(Ψ) <= device_memory < estimate(Ψ + 1)` exactly. Returns 0 if nothing fits.
+
+    Args:
+        device_memory: bytes per device, or a string such as "80GB" (see `parse_bytes`).
+        devices: data-parallel degree N.
+        stage: ZeRO stage, 0 to 3.
+        largest_layer_fraction: the largest layer as a fraction of Ψ (0 to 1), added to a
+            fixed `largest_layer_params` count if one is given.
+        **kwargs: the other keyword arguments of `estimate` (k, precision, ...).
+    """
+    memory = parse_bytes(device_memory) if isinstance(device_memory, str) else device_memory
+    _check_nonneg(device_memory=memory, largest_layer_fraction=largest_layer_fraction)
+    if largest_layer_fraction > 1:
+        raise ValueError(
+            f"largest_layer_fraction must be at most 1, got {largest_layer_fraction}: "
+            "give the largest layer's share of all parameters, e.g. 0.02."
+        )
+    fixed = kwargs.pop("largest_layer_params", 0.0)
+
+    def total(psi: float, constants: bool = True) -> float:
+        layer = largest_layer_fraction * psi + (fixed if constants else 0.0)
+        extra = {} if constants else {"activation_bytes": 0.0, "buffer_bytes": 0.0}
+        e = estimate(
+            params=psi, devices=devices, stage=stage, largest_layer_params=layer, **(kwargs | extra)
+        )
+        return e.total_bytes
+
+    base = total(0)
+    if base > memory:
+        return 0
+    psi = int((memory - base) / total(1, constants=False))
+    while psi > 0 and total(psi) > memory:  # correct float rounding, in steps of one
+        psi -= 1
+    while total(psi + 1) <= memory:
+        psi += 1
+    return psi
+
+
+def format_params(count: float) -> str:
+    """A parameter count for people: 7.5e9 -> "7.5B", 1e12 -> "1T"."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.4g}{suffix}"
+    return f"{count:.4g}"
+
+
+def plot_model_states(
+    path: str,
+    *,
+    params: float,
+    devices: Sequence[int] = tuple(2**i for i in range(11)),
+    k: float | None = None,
+    precision: Precision = "mixed",
+    model_parallel: int = 1,
+    measured: Mapping[int, Sequence[tuple[int, float]]] | None = None,
+) -> None:
+    """Writes a PNG of model-state bytes per device vs N for stages 0-3 (ZeRO Figure 1).
+
+    Args:
+        path: output file, e.g. "memory.png".
+        params, k, precision, model_parallel: as in `estimate`.
+        devices: data-parallel degrees on the (log2) x axis.
+        measured: optional measurements to overlay as markers, {stage: [(N, bytes), ...]}.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            "plot_model_states needs matplotlib: pip install 'jzero[examples]'"
+        ) from e
+    measured = dict(measured or {})
+    for stage in measured:
+        _check_stage(stage)
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    opts = dict(params=params, k=k, precision=precision, model_parallel=model_parallel)
+    for stage in STAGES:
+        gb = [estimate(devices=n, stage=stage, **opts).model_state_bytes / 1e9 for n in devices]
+        (line,) = ax.plot(devices, gb, label=f"stage {stage} ({STAGE_NAMES[stage]})")
+        if measured.get(stage):
+            xs, ys = zip(*measured[stage], strict=True)
+            label = f"stage {stage} measured"
+            ax.plot(xs, [y / 1e9 for y in ys], "o", color=line.get_color(), label=label)
+    k_shown = DEFAULT_K.get(precision) if k is None else k
+    ax.set(
+        yscale="log",
+        xlabel="data-parallel devices N",
+        ylabel="model states per device (GB)",
+        title=f"Ψ = {format_params(params)}, K = {k_shown:g}, {precision}, M = {model_parallel}",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(devices), [str(n) for n in devices])
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,145 @@
+"""The sharding plan: how each leaf is laid out along the mesh's ``data`` axis.
+
+A leaf is sharded along one dimension, the *shard dimension*. When that dimension's size
+does not divide the data-axis size N, the stored array is padded with zeros at its end up
+to a multiple of N; the user never sees the padding (it is sliced off before every Optax
+update and every export, and written back as zeros). Leaves with fewer than
+``min_shard_size`` elements, and scalars, stay replicated.
+
+The layout depends only on a leaf's shape (and the user's own PartitionSpec, if any), so
+optimizer-state leaves get the same layout as the parameters they mirror.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ._mesh import DATA
+
+DEFAULT_MIN_SHARD_SIZE = 1024
+"""Leaves with fewer elements than this stay replicated (like DeepSpeed's persistence
+threshold): sharding them saves at most a few KiB and costs one collective each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Layout of one leaf (static metadata: deliberately not a pytree node)."""
+
+    shape: tuple[int, ...]  # the true, user-visible shape
+    dim: int | None  # dimension sharded along 'data'; None: replicated over 'data'
+    padded: tuple[int, ...]  # stored shape: `shape` with `dim` padded to a multiple of N
+    spec: P  # PartitionSpec of the sharded (stored) array, user axes included
+    user_spec: P  # the user's own PartitionSpec (other mesh axes), without 'data'
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+    @property
+    def pad(self) -> int:
+        return 0 if self.dim is None else self.padded[self.dim] - self.shape[self.dim]
+
+    def data_spec(self) -> P:
+        """The spec restricted to the ``data`` axis (what ``shard_map`` sees)."""
+        if self.dim is None:
+            return P()
+        return P(*([None] * self.dim + [DATA]))
+
+
+def _entries(spec: P, ndim: int) -> list[Any]:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    if len(entries) != ndim:
+        raise ValueError(f"PartitionSpec {spec} has more entries than the leaf's {ndim} dims.")
+    return entries
+
+
+def leaf_layout(
+    shape: tuple[int, ...], n: int, *, min_shard_size: int, user_spec: P | None = None
+) -> LeafLayout:
+    """Chooses the shard dimension of a leaf of ``shape`` on a data axis of size ``n``.
+
+    Rule: among the dimensions the user's spec leaves free, prefer one whose size divides
+    ``n`` (no padding), the largest, the later on ties; otherwise the largest, padded. Later
+    dimensions win ties so that a leading stacked-layers axis (``lax.scan``) stays whole.
+    """
+    shape = tuple(int(s) for s in shape)
+    user_spec = P() if user_spec is None else user_spec
+    entries = _entries(user_spec, len(shape))
+    if any(e == DATA or (isinstance(e, tuple) and DATA in e) for e in entries):
+        raise ValueError(
+            f"a user PartitionSpec {user_spec} names the {DATA!r} axis; jzero adds 'data' "
+            "itself. Give specs over your other axes only (e.g. P(None, 'model'))."
+        )
+    size = 1
+    for s in shape:
+        size *= s
+    free = [d for d, e in enumerate(entries) if e is None and shape[d] > 0]
+    if n == 1 or not shape or size < max(min_shard_size, 1) or not free:
+        return LeafLayout(shape, None, shape, P(*entries), P(*entries))
+    even = [d for d in free if shape[d] % n == 0]
+    dim = max(even or free, key=lambda d: (shape[d], d))
+    padded = list(shape)
+    padded[dim] = -(-shape[dim] // n) * n
+    entries_sharded = list(entries)
+    entries_sharded[dim] = DATA
+    return LeafLayout(shape, dim, tuple(padded), P(*entries_sharded), P(*entries))
+
+
+def pad(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Zero-pads ``x`` (true shape) to the stored shape."""
+    if not layout.pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[layout.dim] = (0, layout.pad)
+    return jnp.pad(x, widths)
+
+
+def unpad(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Slices the padding off ``x`` (stored shape, or a leading-stacked version of it)."""
+    if not layout.pad:
+        return x
+    axis = x.ndim - len(layout.shape) + layout.dim
+    return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-leaf layouts of the parameters and the optimizer state; static and hashable."""
+
+    stage: int
+    data_size: int
+    params_def: Any  # PyTreeDef of the parameters
+    params: tuple[LeafLayout, ...]
+    opt_def: Any  # PyTreeDef of the Optax state
+    opt: tuple[LeafLayout, ...]
+
+    def params_tree(self) -> Any:
+        """The parameter layouts as a pytree shaped like the parameters."""
+        return jax.tree.unflatten(self.params_def, self.params)
+
+    def opt_tree(self) -> Any:
+        return jax.tree.unflatten(self.opt_def, self.opt)
+
+    def describe(self) -> str:
+        """A readable table: one row per parameter leaf with its layout."""
+        paths = [
+            jax.tree_util.keystr(k)
+            for k, _ in jax.tree_util.tree_flatten_with_path(
+                self.params_tree(), is_leaf=lambda x: isinstance(x, LeafLayout)
+            )[0]
+        ]
+        rows = [("leaf", "shape", "shard dim", "stored", "pad", "spec")]
+        for path, lay in zip(paths, self.params):
+            dim = "-" if lay.dim is None else str(lay.dim)
+            rows.append((path, str(lay.shape), dim, str(lay.padded), str(lay.pad), str(lay.spec)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)

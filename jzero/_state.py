@@ -1,0 +1,30 @@
+"""The training state: a pytree carrying its own (static) sharding plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+from ._layout import Plan
+
+
+@struct.dataclass
+class ZeroState:
+    """Parameters and optimizer state of a ZeRO-partitioned model.
+
+    Attributes:
+        step: int32 scalar, replicated; number of optimizer steps taken.
+        params: the parameters as stored at rest. Stages 0-2: full, true shapes, replicated
+            over 'data'. Stage 3: each sharded leaf padded along its shard dimension and
+            partitioned over 'data' (see ``plan``); small leaves replicated.
+        opt_state: the Optax state. Stage 0: replicated. Stages 1-3: every leaf laid out
+            like a parameter of its shape (sharded and padded over 'data').
+        plan: static per-leaf layouts of ``params`` and ``opt_state`` (not a pytree node).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    plan: Plan = struct.field(pytree_node=False)

@@ -1,0 +1,187 @@
+"""The training step: forward/backward under ``shard_map``, then the global-view Optax update.
+
+Per stage, inside ``shard_map`` over 'data' (local view):
+
+- 0: grads of the local loss, ``psum`` (all-reduce) over 'data'.
+- 1: grads of the local loss, held whole until backward ends, then ``psum_scatter``
+  (reduce-scatter) leaf by leaf; the updated shards are ``all_gather``-ed afterwards.
+- 2: each sharded leaf enters the loss through :class:`Sharded`, whose backward
+  reduce-scatters that leaf's gradient as soon as backward produces it.
+- 3: each sharded leaf is ``all_gather``-ed where used (:func:`gather`); backward gathers
+  it again (remat) and its transpose reduce-scatters the gradient.
+
+Leaves below the size threshold are replicated and their gradients ``psum``-ed. The Optax
+update then runs under ``jit`` on the sharded arrays with the padding sliced off, so every
+transformation keeps its single-device meaning; XLA adds only scalar all-reduces (norms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from ._collectives import Sharded, all_gather, gather, reduce_scatter, regather_policy
+from ._layout import LeafLayout, Plan, pad, unpad
+from ._mesh import DATA
+from ._state import ZeroState
+
+if TYPE_CHECKING:
+    from ._optimizer import ZeroOptimizer
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    # Differentiating a replicated input inside shard_map would psum its gradient
+    # implicitly; differentiate a varying copy instead and reduce explicitly.
+    return jax.lax.pcast(x, DATA, to="varying")
+
+
+def _check_batch(batch: Any, n: int) -> None:
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError("batch is empty; pass a pytree of arrays with a leading batch axis.")
+    for path, x in leaves:
+        shape = getattr(x, "shape", None)
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}; its leading "
+                f"(batch) dimension must be divisible by the data-axis size {n}. Use a batch "
+                f"size that is a multiple of {n}."
+            )
+
+
+def _local_grads(opt: ZeroOptimizer, plan: Plan, loss_fn: Callable, manual_gather: bool):
+    """The shard_map body: (params at rest, local batch) -> (loss, reduced gradients)."""
+    stage, n = plan.stage, plan.data_size
+    lays = plan.params
+
+    def body(params, batch):
+        leaves = jax.tree.leaves(params)
+        if stage in (0, 1):
+            diff = [_varying(x) for x in leaves]
+            wrap = lambda d: d
+        elif stage == 2:
+            diff = [
+                _varying(jnp.zeros(_local_shape(lay), x.dtype)) if lay.sharded else _varying(x)
+                for x, lay in zip(leaves, lays)
+            ]
+            wrap = lambda d: [
+                Sharded(s, x, lay) if lay.sharded else s for s, x, lay in zip(d, leaves, lays)
+            ]
+        else:
+            diff = [x if lay.sharded else _varying(x) for x, lay in zip(leaves, lays)]
+            wrap = lambda d: [
+                Sharded(s, None, lay) if lay.sharded else s for s, lay in zip(d, lays)
+            ]
+
+        def local_loss(d):
+            p = jax.tree.unflatten(plan.params_def, wrap(d))
+            return loss_fn(p if manual_gather else gather(p), batch)
+
+        if stage == 3:
+            local_loss = jax.checkpoint(local_loss, policy=regather_policy)
+        loss, grads = jax.value_and_grad(local_loss)(diff)
+        if stage == 1:  # P_os: the whole local gradient exists before it is reduced
+            grads = jax.lax.optimization_barrier(grads)
+        grads = [_reduce(g, lay, stage) / n for g, lay in zip(grads, lays)]
+        return jax.lax.pmean(loss, DATA), jax.tree.unflatten(plan.params_def, grads)
+
+    return body
+
+
+def _local_shape(lay: LeafLayout) -> tuple[int, ...]:
+    shape = list(lay.padded)
+    shape[lay.dim] //= jax.lax.axis_size(DATA)
+    return tuple(shape)
+
+
+def _reduce(g: jax.Array, lay: LeafLayout, stage: int) -> jax.Array:
+    if not lay.sharded:
+        return jax.lax.psum(g, DATA)  # stage 0, and small replicated leaves
+    if stage == 1:
+        return reduce_scatter(g, lay)
+    return g  # stages 2, 3: reduce-scattered already, inside backward
+
+
+def make_train_step(
+    opt: ZeroOptimizer,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    *,
+    manual_gather: bool = False,
+    donate: bool = True,
+) -> Callable[[ZeroState, Any], tuple[ZeroState, dict[str, jax.Array]]]:
+    """Builds the jitted ``step(state, batch) -> (state, metrics)``.
+
+    Args:
+        opt: the optimizer.
+        loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over its batch. It runs
+            per device on that device's slice of the batch (leading axis split over 'data').
+        manual_gather: if False (default), stage 3 gathers every parameter at the start of
+            the forward pass. If True, ``loss_fn`` receives :class:`Sharded` handles in stages
+            2/3 and calls :func:`jzero.gather` on each layer's parameters where it uses them,
+            so stage 3 holds about one layer's gathered parameters at a time.
+        donate: donate the old state's buffers to the new one.
+
+    ``metrics`` holds ``loss`` (mean over the global batch) and ``grad_norm`` (global L2
+    norm of the averaged gradient, padding excluded).
+    """
+    mesh, n, tx, stage = opt.mesh, opt.data_size, opt.tx, opt.stage
+
+    def step(state: ZeroState, batch: Any):
+        opt.check_state(state)
+        _check_batch(batch, n)
+        plan = state.plan
+        lays = plan.params_tree()
+        rest = lambda lay: lay.data_spec() if stage == 3 else P()
+        grad_spec = lambda lay: lay.data_spec() if stage >= 1 else P()
+        fwd_bwd = jax.shard_map(
+            _local_grads(opt, plan, loss_fn, manual_gather),
+            mesh=mesh,
+            in_specs=(jax.tree.map(rest, lays), jax.tree.map(lambda _: P(DATA), batch)),
+            out_specs=(P(), jax.tree.map(grad_spec, lays)),
+            axis_names={DATA},
+        )
+        loss, grads = fwd_bwd(state.params, batch)
+
+        # Global view: slice the padding off, run plain Optax, pad back.
+        grads = jax.tree.map(unpad, grads, lays)
+        params = state.params if stage < 3 else jax.tree.map(unpad, state.params, lays)
+        opt_lays = plan.opt_tree()
+        opt_state = jax.tree.map(unpad, state.opt_state, opt_lays)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+        shardings = opt.state_shardings(plan)
+        opt_state = jax.lax.with_sharding_constraint(
+            jax.tree.map(pad, opt_state, opt_lays), shardings.opt_state
+        )
+        if stage in (1, 2):
+            params = _all_gather_params(opt, plan, params)
+        params = jax.lax.with_sharding_constraint(opt.store_params(params, plan), shardings.params)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return ZeroState(state.step + 1, params, opt_state, plan), metrics
+
+    return jax.jit(step, donate_argnums=0 if donate else ())
+
+
+def _all_gather_params(opt: ZeroOptimizer, plan: Plan, params: Any) -> Any:
+    """Stages 1/2: updated shards -> full replicated parameters, by explicit all-gather."""
+    lays = plan.params_tree()
+    sharded = jax.tree.map(
+        lambda p, lay: jax.lax.with_sharding_constraint(pad(p, lay), opt._sharding(lay.spec)),
+        params,
+        lays,
+    )
+    gather_fn = jax.shard_map(
+        lambda ps: [all_gather(p, lay) if lay.sharded else p for p, lay in zip(ps, plan.params)],
+        mesh=opt.mesh,
+        in_specs=([lay.data_spec() for lay in plan.params],),
+        out_specs=[P()] * len(plan.params),
+        axis_names={DATA},
+        check_vma=False,  # all_gather's result is replicated; vma cannot infer that
+    )
+    return jax.tree.unflatten(plan.params_def, gather_fn(jax.tree.leaves(sharded)))
