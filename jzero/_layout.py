@@ -58,6 +58,13 @@ def _entries(spec: P, ndim: int) -> list[Any]:
     return entries
 
 
+def _spec(entries: list[Any]) -> P:
+    # Canonical form (no trailing Nones), as JAX reports it back on arrays.
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return P(*entries)
+
+
 def leaf_layout(
     shape: tuple[int, ...], n: int, *, min_shard_size: int, user_spec: P | None = None
 ) -> LeafLayout:
@@ -80,14 +87,14 @@ def leaf_layout(
         size *= s
     free = [d for d, e in enumerate(entries) if e is None and shape[d] > 0]
     if n == 1 or not shape or size < max(min_shard_size, 1) or not free:
-        return LeafLayout(shape, None, shape, P(*entries), P(*entries))
+        return LeafLayout(shape, None, shape, _spec(entries), _spec(entries))
     even = [d for d in free if shape[d] % n == 0]
     dim = max(even or free, key=lambda d: (shape[d], d))
     padded = list(shape)
     padded[dim] = -(-shape[dim] // n) * n
     entries_sharded = list(entries)
     entries_sharded[dim] = DATA
-    return LeafLayout(shape, dim, tuple(padded), P(*entries_sharded), P(*entries))
+    return LeafLayout(shape, dim, tuple(padded), _spec(entries_sharded), _spec(entries))
 
 
 def pad(x: jax.Array, layout: LeafLayout) -> jax.Array:

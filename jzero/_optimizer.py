@@ -61,7 +61,7 @@ class ZeroOptimizer:
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         param_specs: Any = None,
     ):
-        if stage not in get_args(Stage) or isinstance(stage, bool):
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
             raise ValueError(
                 f"stage must be 0, 1, 2 or 3, got {stage!r}: 0 = plain data parallel, "
                 "1 = shard optimizer state, 2 = + gradients, 3 = + parameters."
@@ -147,6 +147,11 @@ class ZeroOptimizer:
                 ``functools.partial(model.init, key, x)``. It runs inside ``jit`` with the
                 output already sharded, so in stage 3 no device ever holds the whole model.
         """
+        fn, arg = self.init_program(params, init_fn=init_fn)
+        return fn(arg)
+
+    def init_program(self, params: Any = None, *, init_fn: Callable[[], Any] | None = None):
+        """The jitted program ``init`` runs, and its argument (for inspecting its memory)."""
         if init_fn is None:
             if params is None:
                 raise ValueError("init() needs params, or init_fn= returning them.")
@@ -171,8 +176,8 @@ class ZeroOptimizer:
             step = jnp.zeros((), jnp.int32)
             return ZeroState(step, self.store_params(p, plan), opt_state, plan)
 
-        arg = params if init_fn is None else None
-        return jax.jit(_init, out_shardings=self.state_shardings(plan))(arg)
+        fn = jax.jit(_init, out_shardings=self.state_shardings(plan))
+        return fn, (params if init_fn is None else None)
 
     # ----------------------------------------------------------------------- export
     def full_params(self, state: ZeroState) -> Any:

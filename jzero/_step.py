@@ -162,7 +162,7 @@ def make_train_step(
         if stage in (1, 2):
             params = _all_gather_params(opt, plan, params)
         params = jax.lax.with_sharding_constraint(opt.store_params(params, plan), shardings.params)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return ZeroState(state.step + 1, params, opt_state, plan), metrics
 
     return jax.jit(step, donate_argnums=0 if donate else ())

@@ -1,0 +1,309 @@
+"""Benchmark: ZeRO stages 0-3 and a plain-``jit`` FSDP baseline on the same GPT-style model.
+
+Trains the model of ``examples/gpt.py`` under DP (stage 0), ZeRO stages 1-3 (jzero,
+``manual_gather=True``) and ``auto_fsdp`` (``jax.jit`` with parameters and optimizer state
+given ``NamedSharding``s over 'data', XLA choosing the collectives), with the same
+initial parameters, data and ``optax.adamw``, and reports per device: model-state bytes
+(live arrays), compiled peak bytes, communication per step (optimized HLO, ring model)
+and step time, each beside DESIGN section 1's theory where there is one.
+
+    python scripts/bench.py                        # readable table
+    python scripts/bench.py --json out.json        # DESIGN section 3's JSON
+    python scripts/bench.py --quick                # small model, few steps (~1 min)
+
+Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Field notes:
+
+- ``model_state_bytes_per_device``: params + optimizer state read from the live arrays'
+  first addressable shard, plus gradients derived from the sharding plan (they are not
+  alive between steps): full in stages 0/1, a shard in stages 2/3; ``auto_fsdp``: a shard
+  like its parameter. ``auto_fsdp``'s theory is stage 3's (it is FSDP).
+- ``peak_bytes_per_device``: argument + output + temp - alias of ``memory_analysis()``.
+- Scalar all-reduces (loss mean, gradient norm) are included in the measured bytes.
+- On CPU, XLA runs 16-bit collectives in f32: measured bytes of a bf16 model are 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jzero
+from jzero._estimate import theory_comm_bytes, theory_model_state_bytes
+from jzero._hlo import collectives, comm_bytes
+from jzero._report import report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import gpt  # noqa: E402  (examples/gpt.py)
+
+RUNS = (("dp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("auto_fsdp", 3))
+COMM_KEYS = ("all-reduce", "reduce-scatter", "all-gather", "other", "total")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="write DESIGN section 3's JSON here")
+    ap.add_argument("--quick", action="store_true", help="small model, few steps")
+    ap.add_argument("--layers", type=int, help="transformer blocks (default 4; quick 2)")
+    ap.add_argument("--d-model", type=int, help="width (default 128; quick 64)")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default 64; quick 32)")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--batch", type=int, help="global batch (default 32; quick 16)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--steps", type=int, help="timed steps (default 20; quick 5)")
+    ap.add_argument("--runs", default=",".join(name for name, _ in RUNS), help="subset")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-devices", type=int, default=8, help="forced CPU devices")
+    args = ap.parse_args(argv)
+    quick = {"layers": 2, "d_model": 64, "seq_len": 32, "batch": 16, "steps": 5}
+    full = {"layers": 4, "d_model": 128, "seq_len": 64, "batch": 32, "steps": 20}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def _bytes_per_device(tree: Any) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def _total_bytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _fsdp_spec(shape: tuple[int, ...], n: int) -> P:
+    """'data' on the largest dimension divisible by n (later on ties); else replicated."""
+    even = [d for d, s in enumerate(shape) if s % n == 0 and s > 0]
+    if not even:
+        return P()
+    dim = max(even, key=lambda d: (shape[d], d))
+    return P(*([None] * dim + ["data"]))
+
+
+def _timed(step, carry, batches, warmup: int) -> tuple[Any, list[float], list[float]]:
+    """Runs every batch; returns the last carry, the losses and the timed steps' ms."""
+    losses, times = [], []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        carry, metrics = step(carry, batch)
+        jax.block_until_ready((carry, metrics))
+        if i >= warmup:
+            times.append(1e3 * (time.perf_counter() - start))
+        losses.append(float(metrics["loss"]))
+    return carry, losses, times
+
+
+def _run_fields(name, stage, losses, times, **fields) -> dict[str, Any]:
+    comm = {k: float(fields["comm"][k]) for k in COMM_KEYS}
+    return {
+        "name": name,
+        "stage": stage,
+        "model_state_bytes_per_device": int(fields["states"]),
+        "theory_model_state_bytes_per_device": float(fields["theory_states"]),
+        "peak_bytes_per_device": int(fields["peak"]),
+        "comm_bytes_per_device": comm,
+        "theory_comm_bytes_per_device": float(fields["theory_comm"]),
+        "step_ms_median": float(statistics.median(times)),
+        "steps_timed": len(times),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def run_zero(name, stage, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]:
+    opt = jzero.ZeroOptimizer(tx, mesh, stage=stage)
+    state = opt.init(init_fn=init_fn)
+    step = opt.train_step(loss_fn, manual_gather=True)
+    rep = report(step, state, batches[0])
+    _, losses, times = _timed(step, state, batches, warmup)
+    return _run_fields(
+        name, stage, losses, times,
+        states=rep.model_state_bytes, theory_states=rep.theory_model_state_bytes,
+        peak=rep.peak_bytes, comm=rep.comm_bytes, theory_comm=rep.theory_comm_bytes,
+    )  # fmt: skip
+
+
+def run_auto_fsdp(tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]:
+    n = mesh.shape["data"]
+    shard = lambda tree: jax.tree.map(lambda x: NamedSharding(mesh, _fsdp_spec(x.shape, n)), tree)
+    param_shardings = shard(jax.eval_shape(init_fn))
+    params = jax.jit(init_fn, out_shardings=param_shardings)()
+    opt_shardings = shard(jax.eval_shape(tx.init, params))
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    batch_sharding = jax.tree.map(lambda _: NamedSharding(mesh, P("data")), batches[0])
+
+    def train_step(carry, batch):
+        params, opt_state = carry
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    state_shardings = (param_shardings, opt_shardings)
+    step = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    compiled = step.lower((params, opt_state), batches[0]).compile()
+    mem = compiled.memory_analysis()
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+    peak -= mem.alias_size_in_bytes
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    param_total, opt_total = _total_bytes(params), _total_bytes(opt_state)
+    states = 2 * _bytes_per_device(params) + _bytes_per_device(opt_state)  # grads: as params
+    theory_states = theory_model_state_bytes(
+        params=psi, devices=n, stage=3, param_bytes=param_total / psi,
+        grad_bytes=param_total / psi, opt_bytes=opt_total / psi,
+    )  # fmt: skip
+    comm = comm_bytes(collectives(compiled.as_text()))
+    theory_comm = theory_comm_bytes(stage=3, param_bytes_S=param_total, devices=n)
+    _, losses, times = _timed(step, (params, opt_state), batches, warmup)
+    return _run_fields(
+        "auto_fsdp", 3, losses, times, states=states, theory_states=theory_states,
+        peak=peak, comm=comm, theory_comm=theory_comm,
+    )  # fmt: skip
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    mesh = jzero.data_mesh()
+    n = mesh.shape["data"]
+    cfg = gpt.GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+        n_heads=args.heads, n_layers=args.layers, dtype=jnp.float32,
+    )  # fmt: skip
+    init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
+    loss_fn = gpt.make_loss_fn(cfg)
+    tx = optax.adamw(1e-3, eps=1e-6, weight_decay=0.01)
+    rng = np.random.default_rng(args.seed)
+    data_sharding = NamedSharding(mesh, P("data"))
+    shape = (args.batch, args.seq_len + 1)
+    batches = [
+        {"tokens": jax.device_put(rng.integers(0, args.vocab, shape, np.int32), data_sharding)}
+        for _ in range(args.warmup + args.steps)
+    ]
+    wanted = args.runs.split(",")
+    runs = []
+    for name, stage in RUNS:
+        if name not in wanted:
+            continue
+        if name == "auto_fsdp":
+            runs.append(run_auto_fsdp(tx, mesh, init_fn, loss_fn, batches, args.warmup))
+        else:
+            runs.append(run_zero(name, stage, tx, mesh, init_fn, loss_fn, batches, args.warmup))
+    name = f"gpt-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}-T{cfg.seq_len}-V{cfg.vocab_size}"
+    return {
+        "platform": jax.devices()[0].platform,
+        "devices": n,
+        "jax": jax.__version__,
+        "model": {
+            "name": name,
+            "params": int(gpt.count_params(jax.eval_shape(init_fn))),
+            "layers": cfg.n_layers,
+            "dtype": jnp.dtype(cfg.dtype).name,
+        },
+        "settings": {
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "seed": args.seed,
+            "optimizer": "adamw(1e-3, eps=1e-6, wd=0.01)",
+        },  # fmt: skip
+        "runs": runs,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The runs as an aligned text table (bytes in KB = 1e3), then the DESIGN targets."""
+    m = result["model"]
+    head = (
+        f"{m['name']}: {m['params']:,} params ({m['dtype']}), {result['devices']} "
+        f"{result['platform']} devices, jax {result['jax']}"
+    )
+    rows = [("run", "states KB", "theory", "peak KB", "comm KB", "theory", "ms/step", "loss")]
+    for r in result["runs"]:
+        rows.append((
+            r["name"],
+            f"{r['model_state_bytes_per_device'] / 1e3:,.1f}",
+            f"{r['theory_model_state_bytes_per_device'] / 1e3:,.1f}",
+            f"{r['peak_bytes_per_device'] / 1e3:,.1f}",
+            f"{r['comm_bytes_per_device']['total'] / 1e3:,.1f}",
+            f"{r['theory_comm_bytes_per_device'] / 1e3:,.1f}",
+            f"{r['step_ms_median']:.1f}",
+            f"{r['loss_first']:.4f} -> {r['loss_last']:.6f}",
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [head] + [
+        "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]  # fmt: skip
+    return "\n".join([*lines, "", *checks(result)])
+
+
+def checks(result: dict[str, Any]) -> list[str]:
+    """DESIGN / issue targets, each as 'PASS'/'FAIL' with the measured numbers."""
+    runs = {r["name"]: r for r in result["runs"]}
+    out = []
+    ratio = lambda r, a, b: r[a] / r[b] if r[b] else math.nan
+    for name in ("zero1", "zero2", "zero3"):
+        if name in runs:
+            r = runs[name]
+            s = ratio(r, "model_state_bytes_per_device", "theory_model_state_bytes_per_device")
+            c = r["comm_bytes_per_device"]["total"] / r["theory_comm_bytes_per_device"]
+            out.append(f"{'PASS' if abs(s - 1) <= 0.01 else 'FAIL'} {name} states/theory {s:.4f}")
+            out.append(f"{'PASS' if abs(c - 1) <= 0.02 else 'FAIL'} {name} comm/theory {c:.4f}")
+    if "dp" in runs:
+        dp = runs["dp"]
+        c = dp["comm_bytes_per_device"]["total"] / dp["theory_comm_bytes_per_device"]
+        out.append(f"{'PASS' if abs(c - 1) <= 0.02 else 'FAIL'} dp comm/theory {c:.4f}")
+        if "zero3" in runs:
+            p = runs["zero3"]["peak_bytes_per_device"] / dp["peak_bytes_per_device"]
+            out.append(f"{'PASS' if p <= 0.25 else 'FAIL'} zero3 peak / dp peak {p:.3f} <= 0.25")
+        for name in ("zero1", "zero2"):
+            if name in runs:
+                t = runs[name]["step_ms_median"] / dp["step_ms_median"]
+                out.append(f"{'PASS' if t <= 1.10 else 'FAIL'} {name} time / dp {t:.3f} <= 1.10")
+        for name, r in runs.items():
+            d = abs(r["loss_last"] - dp["loss_last"]) / abs(dp["loss_last"])
+            ok = d <= 1e-5  # fp32 rounding of a few-step run, summed in another order
+            out.append(f"{'PASS' if ok else 'FAIL'} {name} final loss rel. diff vs dp {d:.2e}")
+    if "zero3" in runs and "auto_fsdp" in runs:
+        z, a = runs["zero3"], runs["auto_fsdp"]
+        t = z["step_ms_median"] / a["step_ms_median"]
+        p = z["peak_bytes_per_device"] / a["peak_bytes_per_device"]
+        out.append(f"{'PASS' if t <= 1.0 else 'FAIL'} zero3 time / auto_fsdp {t:.3f} <= 1")
+        out.append(f"{'PASS' if p <= 1.0 else 'FAIL'} zero3 peak / auto_fsdp {p:.3f} <= 1")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    result = bench(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    # A script may configure JAX (the library never does). This only shapes the CPU
+    # platform, so it is harmless when an accelerator is present and used instead.
+    cli = parse_args(sys.argv[1:])
+    jax.config.update("jax_num_cpu_devices", cli.cpu_devices)
+    main()

@@ -1,0 +1,132 @@
+"""jzero.report on 8 CPU devices: collective bytes and model-state bytes, computed by hand."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jzero
+from jzero._report import report
+
+N, L, D, B = 8, 4, 64, 16
+SCALAR_RING = 2 * 4 * (N - 1) / N  # an all-reduce of one f32 scalar, in the ring model
+
+
+def _params(model: str) -> dict[str, jax.Array]:
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = lambda k, shape: jax.random.normal(k, shape, jnp.float32) * shape[-2] ** -0.5
+    if model == "weights":  # two matrices per layer: both are used again in backward
+        return {"w_in": w(k1, (L, D, 2 * D)), "w_out": w(k2, (L, 2 * D, D))}
+    return {"w": w(k1, (L, D, D)), "b": 0.1 * jax.random.normal(k3, (L, D), jnp.float32)}
+
+
+def _loss_fn(params, batch):
+    def layer(x_BxD, p):
+        p = jzero.gather(p)  # one layer at a time, inside the scan
+        if "w" in p:
+            return jnp.tanh(x_BxD @ p["w"] + p["b"]), None
+        return jnp.tanh(x_BxD @ p["w_in"]) @ p["w_out"], None
+
+    x_BxD, _ = jax.lax.scan(layer, batch["x"], params)
+    return jnp.mean((x_BxD - batch["y"]) ** 2)
+
+
+def _batch() -> dict[str, jax.Array]:
+    kx, ky = jax.random.split(jax.random.key(1))
+    return {"x": jax.random.normal(kx, (B, D)), "y": jax.random.normal(ky, (B, D))}
+
+
+def _make(model: str, stage: int, tx: optax.GradientTransformation):
+    opt = jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=stage, min_shard_size=1)
+    state = opt.init(_params(model))
+    assert all(lay.sharded for lay in state.plan.params) == (stage > 0)
+    return report(opt.train_step(_loss_fn, manual_gather=True), state, _batch()), state
+
+
+def _nbytes(shape) -> int:
+    return 4 * math.prod(shape)  # every leaf here is f32 (Adam's int32 count too)
+
+
+@pytest.mark.parametrize("model", ["weights", "bias"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_comm_bytes_match_ring_volumes(stage, model):
+    rep, state = _make(model, stage, optax.sgd(0.1))
+    params = _params(model)
+    S = sum(x.nbytes for x in jax.tree.leaves(params))
+    ring = lambda nbytes: nbytes * (N - 1) / N
+    if stage < 3:
+        expected = 2 * ring(S)  # all-reduce, or reduce-scatter + all-gather
+    elif model == "weights":
+        expected = 3 * ring(S)  # gather in forward, again in backward, reduce-scatter
+    else:
+        # ZeRO-3 gathers a parameter in backward only if backward uses its value. For
+        # y = tanh(x @ w + b), backward needs w (for dx) but not b: tanh's derivative
+        # uses y, which is saved. So b is gathered once (forward) and its gradient
+        # reduce-scattered; w moves 3 times.
+        s_w, s_b = params["w"].nbytes, params["b"].nbytes
+        expected = 3 * ring(s_w) + 2 * ring(s_b)
+    # The scalar all-reduces, counted rather than hidden: the loss mean over 'data', and,
+    # from stage 1 on, one per sharded gradient leaf for the global norm in `metrics`.
+    scalars = [c for c in rep.collectives if c.shape == ()]
+    n_scalars = 1 + (len(state.plan.params) if stage > 0 else 0)
+    assert [(c.kind, c.dtype, c.trip_count) for c in scalars] == [("all-reduce", "f32", 1)] * (
+        n_scalars
+    )
+    assert rep.comm_bytes["total"] == pytest.approx(expected + n_scalars * SCALAR_RING, abs=1e-6)
+    # Per-layer collectives run inside the scan: trip count L each (stage 2's
+    # reduce-scatters during backward, stage 3's gathers and reduce-scatters).
+    per_layer = [c for c in rep.collectives if c.shape != () and c.trip_count == L]
+    assert bool(per_layer) == (stage >= 2)
+    if stage == 0:
+        assert rep.comm_bytes["all-reduce"] == pytest.approx(expected + SCALAR_RING)
+    else:
+        assert rep.comm_bytes["reduce-scatter"] == pytest.approx(ring(S))
+    assert rep.theory_comm_bytes == pytest.approx((3 if stage == 3 else 2) * ring(S))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_bytes_match_plan(stage):
+    rep, state = _make("bias", stage, optax.adam(1e-3))
+    plan = state.plan
+
+    def held(lay, sharded: bool) -> int:
+        return _nbytes(lay.padded) // N if sharded and lay.sharded else _nbytes(lay.shape)
+
+    assert rep.params_bytes == sum(held(lay, stage == 3) for lay in plan.params)
+    assert rep.grads_bytes == sum(held(lay, stage >= 2) for lay in plan.params)
+    assert rep.opt_bytes == sum(held(lay, stage >= 1) for lay in plan.opt)
+    assert rep.model_state_bytes == rep.params_bytes + rep.grads_bytes + rep.opt_bytes
+    # The live arrays agree with the plan's per-shard shapes.
+    for x, lay in zip(jax.tree.leaves(state.params), plan.params):
+        local = list(lay.padded)
+        if stage == 3:
+            local[lay.dim] //= N
+        assert x.addressable_data(0).shape == tuple(local)
+
+    # Theory: Ψ params, 4 + 4 bytes for params and grads, Adam's state / Ψ for the rest.
+    psi = L * D * D + L * D
+    opt_total = 2 * 4 * psi + 4  # mu, nu and the int32 count
+    theory = {0: 8 * psi + opt_total, 1: 8 * psi + opt_total / N, 2: 4 * psi + 4 * psi / N}
+    theory[2] += opt_total / N
+    theory[3] = (8 * psi + opt_total) / N
+    assert rep.num_params == psi
+    assert rep.theory_model_state_bytes == pytest.approx(theory[stage])
+    # Only Adam's replicated int32 step count keeps the ratio off 1.
+    assert rep.model_state_ratio == pytest.approx(1.0, abs=1e-3)
+
+
+def test_peak_and_serialisation():
+    rep, _ = _make("weights", 3, optax.adam(1e-3))
+    m = rep.memory
+    assert rep.peak_bytes == m["argument"] + m["output"] + m["temp"] - m["alias"] > 0
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["comm_bytes"]["total"] == rep.comm_bytes["total"]
+    assert len(d["collectives"]) == len(rep.collectives)
+    assert d["comm_ratio"] == pytest.approx(rep.comm_ratio)
+    text = str(rep)
+    assert "model states" in text and "all-gather" in text and "stage 3" in text
+    assert np.isfinite(rep.model_state_ratio) and not rep.notes  # f32: no CPU caveat
