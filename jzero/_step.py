@@ -40,7 +40,7 @@ def _varying(x: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, DATA, to="varying")
 
 
-def _check_batch(batch: Any, n: int) -> None:
+def _check_batch(batch: Any, n: int, grad_accum: int) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise ValueError("batch is empty; pass a pytree of arrays with a leading batch axis.")
@@ -52,9 +52,15 @@ def _check_batch(batch: Any, n: int) -> None:
                 f"(batch) dimension must be divisible by the data-axis size {n}. Use a batch "
                 f"size that is a multiple of {n}."
             )
+        if shape[0] % (n * grad_accum):
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} has {shape[0]} rows, which do not "
+                f"split into {grad_accum} micro-batches on each of {n} devices; use a batch "
+                f"size that is a multiple of {n * grad_accum} or change grad_accum."
+            )
 
 
-def _local_grads(opt: ZeroOptimizer, plan: Plan, loss_fn: Callable, manual_gather: bool):
+def _local_grads(plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum: int):
     """The shard_map body: (params at rest, local batch) -> (loss, reduced gradients)."""
     stage, n = plan.stage, plan.data_size
     lays = plan.params
@@ -78,16 +84,31 @@ def _local_grads(opt: ZeroOptimizer, plan: Plan, loss_fn: Callable, manual_gathe
                 Sharded(s, None, lay) if lay.sharded else s for s, lay in zip(d, lays)
             ]
 
-        def local_loss(d):
+        def local_loss(d, micro_batch):
             p = jax.tree.unflatten(plan.params_def, wrap(d))
-            return loss_fn(p if manual_gather else gather(p), batch)
+            return loss_fn(p if manual_gather else gather(p), micro_batch)
 
         if stage == 3:
             local_loss = jax.checkpoint(local_loss, policy=regather_policy)
-        loss, grads = jax.value_and_grad(local_loss)(diff)
+        grad_fn = jax.value_and_grad(local_loss)
+        if grad_accum == 1:
+            loss, grads = grad_fn(diff, batch)
+        else:  # accumulate in fp32; stages 2/3 reduce-scatter every micro-batch
+            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+
+            def accumulate(carry, micro_batch):
+                loss, grads = grad_fn(diff, micro_batch)
+                grads = [a + g.astype(a.dtype) for a, g in zip(carry[1], grads)]
+                return (carry[0] + loss.astype(jnp.float32), grads), None
+
+            zeros = [jnp.zeros(jax.typeof(x).shape, jnp.float32) for x in diff]
+            init = (_varying(jnp.zeros((), jnp.float32)), [_varying(z) for z in zeros])
+            (loss, grads), _ = jax.lax.scan(accumulate, init, micro)
+            loss = loss / grad_accum
+            grads = [g.astype(x.dtype) for g, x in zip(grads, diff)]
         if stage == 1:  # P_os: the whole local gradient exists before it is reduced
             grads = jax.lax.optimization_barrier(grads)
-        grads = [_reduce(g, lay, stage) / n for g, lay in zip(grads, lays)]
+        grads = [_reduce(g, lay, stage) / (n * grad_accum) for g, lay in zip(grads, lays)]
         return jax.lax.pmean(loss, DATA), jax.tree.unflatten(plan.params_def, grads)
 
     return body
@@ -112,6 +133,7 @@ def make_train_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     *,
     manual_gather: bool = False,
+    grad_accum: int = 1,
     donate: bool = True,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, dict[str, jax.Array]]]:
     """Builds the jitted ``step(state, batch) -> (state, metrics)``.
@@ -124,22 +146,29 @@ def make_train_step(
             the forward pass. If True, ``loss_fn`` receives :class:`Sharded` handles in stages
             2/3 and calls :func:`jzero.gather` on each layer's parameters where it uses them,
             so stage 3 holds about one layer's gathered parameters at a time.
+        grad_accum: split each device's batch into this many micro-batches and accumulate
+            their gradients in fp32 inside the step (``lax.scan``). Stages 0/1 keep a
+            full-size local accumulator and communicate once per step; stages 2/3 keep only
+            their 1/N shard and reduce-scatter every micro-batch (more, smaller messages
+            for 1/N of the accumulator memory).
         donate: donate the old state's buffers to the new one.
 
     ``metrics`` holds ``loss`` (mean over the global batch) and ``grad_norm`` (global L2
     norm of the averaged gradient, padding excluded).
     """
     mesh, n, tx, stage = opt.mesh, opt.data_size, opt.tx, opt.stage
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}.")
 
     def step(state: ZeroState, batch: Any):
         opt.check_state(state)
-        _check_batch(batch, n)
+        _check_batch(batch, n, grad_accum)
         plan = state.plan
         lays = plan.params_tree()
         rest = lambda lay: lay.data_spec() if stage == 3 else P()
         grad_spec = lambda lay: lay.data_spec() if stage >= 1 else P()
         fwd_bwd = jax.shard_map(
-            _local_grads(opt, plan, loss_fn, manual_gather),
+            _local_grads(plan, loss_fn, manual_gather, grad_accum),
             mesh=mesh,
             in_specs=(jax.tree.map(rest, lays), jax.tree.map(lambda _: P(DATA), batch)),
             out_specs=(P(), jax.tree.map(grad_spec, lays)),
