@@ -47,6 +47,7 @@ from jzero._hlo import collectives, comm_bytes
 from jzero._report import report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import data  # noqa: E402  (examples/data.py: bytes of a small public-domain corpus)
 import gpt  # noqa: E402  (examples/gpt.py)
 
 RUNS = (("dp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("auto_fsdp", 3))
@@ -189,11 +190,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
     loss_fn = gpt.make_loss_fn(cfg)
     tx = optax.adamw(1e-3, eps=1e-6, weight_decay=0.01)
-    rng = np.random.default_rng(args.seed)
+    stream = data.batches(
+        data.load_corpus(), batch_size=args.batch, seq_len=args.seq_len, seed=args.seed
+    )
     data_sharding = NamedSharding(mesh, P("data"))
-    shape = (args.batch, args.seq_len + 1)
-    batches = [
-        {"tokens": jax.device_put(rng.integers(0, args.vocab, shape, np.int32), data_sharding)}
+    batches = [  # the same batches, already on the devices, for every run
+        {"tokens": jax.device_put(next(stream)["tokens"] % args.vocab, data_sharding)}
         for _ in range(args.warmup + args.steps)
     ]
     wanted = args.runs.split(",")
@@ -248,10 +250,10 @@ def table(result: dict[str, Any]) -> str:
             f"{r['loss_first']:.4f} -> {r['loss_last']:.6f}",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [head] + [
-        "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-        for r in rows
-    ]  # fmt: skip
+    fmt = lambda row: "  ".join(
+        c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+    )
+    lines = [head, *map(fmt, rows)]
     return "\n".join([*lines, "", *checks(result)])
 
 
