@@ -88,7 +88,11 @@ def _local_grads(plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum:
             p = jax.tree.unflatten(plan.params_def, wrap(d))
             return loss_fn(p if manual_gather else gather(p), micro_batch)
 
-        if stage == 3:
+        if stage == 3 and not manual_gather:
+            # Everything is gathered up front: remat just the gathers, so backward gathers
+            # again. With manual_gather the user's per-layer remat (jax.checkpoint /
+            # nn.remat around the layer that calls jzero.gather) re-gathers instead; an
+            # outer policy here would override it and keep the layers' activations.
             local_loss = jax.checkpoint(local_loss, policy=regather_policy)
         grad_fn = jax.value_and_grad(local_loss)
         if grad_accum == 1:
@@ -145,7 +149,10 @@ def make_train_step(
         manual_gather: if False (default), stage 3 gathers every parameter at the start of
             the forward pass. If True, ``loss_fn`` receives :class:`Sharded` handles in stages
             2/3 and calls :func:`jzero.gather` on each layer's parameters where it uses them,
-            so stage 3 holds about one layer's gathered parameters at a time.
+            inside a rematerialised layer (``jax.checkpoint`` / ``nn.remat``), so stage 3
+            holds about one layer's gathered parameters at a time and backward gathers again.
+            Call ``gather`` once per parameter and forward pass: each call is one
+            reduce-scatter of that parameter's gradient in backward (stages 2/3).
         grad_accum: split each device's batch into this many micro-batches and accumulate
             their gradients in fp32 inside the step (``lax.scan``). Stages 0/1 keep a
             full-size local accumulator and communicate once per step; stages 2/3 keep only
