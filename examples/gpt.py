@@ -43,14 +43,13 @@ class GPTConfig:
     tied_head: bool = True  # output head = token embedding transposed
 
 
-def gathered(module_cls: type[nn.Module], parent: nn.Module, **methods: Any) -> Any:
+def gathered(module_cls: type[nn.Module], parent: nn.Module) -> Any:
     """``module_cls`` whose ``'params'`` pass through :func:`jzero.gather` before use."""
     return nn.map_variables(
         module_cls,
         "params",
         trans_in_fn=jzero.gather,
         init=parent.is_initializing(),  # init: create plain params, nothing to gather
-        **methods,
     )
 
 
@@ -84,6 +83,19 @@ class Block(nn.Module):
         return x_BxTxD, None
 
 
+class Table(nn.Module):
+    """An embedding table, returned whole: wrapped in :func:`gathered`, it is gathered once
+    per forward pass even when used twice (token lookup and the tied output head)."""
+
+    num_embeddings: int
+    features: int
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        init = nn.initializers.normal(0.02)
+        return self.param("embedding", init, (self.num_embeddings, self.features))
+
+
 class GPT(nn.Module):
     cfg: GPTConfig
 
@@ -91,12 +103,9 @@ class GPT(nn.Module):
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         cfg = self.cfg
         T = tokens_BxT.shape[1]
-        Embed = gathered(nn.Embed, self, methods=["__call__", "attend"])
-        embed = lambda n, name: Embed(
-            n, cfg.d_model, dtype=cfg.dtype, embedding_init=nn.initializers.normal(0.02), name=name
-        )
-        tok_embed = embed(cfg.vocab_size, "tok_embed")
-        x_BxTxD = tok_embed(tokens_BxT) + embed(cfg.seq_len, "pos_embed")(jnp.arange(T))
+        tok_VxD = gathered(Table, self)(cfg.vocab_size, cfg.d_model, name="tok_embed")()
+        pos_TxD = gathered(Table, self)(cfg.seq_len, cfg.d_model, name="pos_embed")()[:T]
+        x_BxTxD = (jnp.take(tok_VxD, tokens_BxT, axis=0) + pos_TxD).astype(cfg.dtype)
 
         # gather inside remat (backward gathers again), remat inside scan (one layer at a time)
         Blocks = nn.scan(
@@ -109,7 +118,7 @@ class GPT(nn.Module):
 
         x_BxTxD = gathered(nn.LayerNorm, self)(dtype=cfg.dtype, name="ln_final")(x_BxTxD)
         if cfg.tied_head:
-            return tok_embed.attend(x_BxTxD)
+            return jnp.einsum("btd,vd->btv", x_BxTxD, tok_VxD.astype(cfg.dtype))
         head = gathered(nn.Dense, self)(cfg.vocab_size, dtype=cfg.dtype, name="head")
         return head(x_BxTxD)
 

@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=3)
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--batch-size", type=int, default=32, help="global; a multiple of devices")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     # Only fp32 for now: bf16 compute lands with the library's precision policy.

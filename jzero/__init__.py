@@ -9,6 +9,8 @@ from ._layout import LeafLayout as LeafLayout
 from ._layout import Plan as Plan
 from ._mesh import data_mesh as data_mesh
 from ._optimizer import ZeroOptimizer as ZeroOptimizer
+from ._report import Report as Report
+from ._report import report as report
 from ._state import ZeroState as ZeroState
 
 __version__ = "0.1.0"

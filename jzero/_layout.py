@@ -71,8 +71,10 @@ def leaf_layout(
     """Chooses the shard dimension of a leaf of ``shape`` on a data axis of size ``n``.
 
     Rule: among the dimensions the user's spec leaves free, prefer one whose size divides
-    ``n`` (no padding), the largest, the later on ties; otherwise the largest, padded. Later
-    dimensions win ties so that a leading stacked-layers axis (``lax.scan``) stays whole.
+    ``n`` (no padding), the largest, the later on ties; otherwise the largest, padded. The
+    leading dimension of a leaf with two or more dimensions is chosen only when the user's
+    spec leaves no other dimension free: it may be a stacked-layers axis that ``lax.scan``
+    / ``nn.scan`` iterate over, which must stay whole on every device.
     """
     shape = tuple(int(s) for s in shape)
     user_spec = P() if user_spec is None else user_spec
@@ -86,6 +88,7 @@ def leaf_layout(
     for s in shape:
         size *= s
     free = [d for d, e in enumerate(entries) if e is None and shape[d] > 0]
+    free = [d for d in free if d > 0] or free  # the leading dim only as a last resort
     if n == 1 or not shape or size < max(min_shard_size, 1) or not free:
         return LeafLayout(shape, None, shape, _spec(entries), _spec(entries))
     even = [d for d in free if shape[d] % n == 0]

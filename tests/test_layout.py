@@ -23,11 +23,13 @@ N = 8
 @pytest.mark.parametrize(
     "shape, dim, padded",
     [
-        ((40, 13), 0, (40, 13)),  # the divisible dim, no padding
-        ((13, 7), 0, (16, 7)),  # neither divides: the largest, padded
+        ((13, 40), 1, (13, 40)),  # the divisible dim, no padding
+        ((40, 13), 1, (40, 16)),  # the leading dim is never sharded (may be stacked layers)
+        ((3, 13, 7), 1, (3, 16, 7)),  # none divides: the largest non-leading, padded
         ((7,), 0, (8,)),  # shorter than the device count: padded
-        ((4, 64, 64), 2, (4, 64, 64)),  # ties -> later dim; the stacked axis stays whole
-        ((8, 16), 1, (8, 16)),  # largest divisible dim
+        ((4, 64, 64), 2, (4, 64, 64)),  # ties -> later dim
+        ((8, 16, 24), 2, (8, 16, 24)),  # largest divisible non-leading dim
+        ((8, 100), 1, (8, 104)),  # stacked (layers, d): pad d rather than split the layers
     ],
 )
 def test_leaf_layout_rule(shape, dim, padded):

@@ -6,7 +6,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _models import awkward_batches, awkward_loss, awkward_params, reference
+from _models import (
+    awkward_batches,
+    awkward_loss,
+    awkward_params,
+    reference,
+    stacked_batch,
+    stacked_loss,
+    stacked_params,
+)
 
 import jzero
 from jzero._layout import unpad
@@ -114,3 +122,26 @@ def test_default_threshold_keeps_small_leaves_replicated():
     got = opt.full_params(state)
     for k in ref_params:
         np.testing.assert_allclose(got[k], ref_params[k], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_scanned_layers_with_a_width_that_does_not_divide(stage):
+    # (8, 100) biases: only the stacked-layers axis divides 8, yet it must stay whole for
+    # the per-layer gather inside lax.scan; the width is padded instead.
+    params = stacked_params(layers=8, width=100)
+    batches = [stacked_batch(width=100)] * 3
+    # eps well above the gradients' rounding noise: with eps=1e-8, Adam turns a few ulps
+    # of summation-order noise on near-zero gradient elements into +-lr steps.
+    tx = lambda: optax.adam(1e-2, eps=1e-3)
+    ref_params, _, ref_losses = reference(tx(), params, stacked_loss, batches)
+    opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage, min_shard_size=1)
+    state = opt.init(params)
+    assert [lay.dim for lay in state.plan.params] == [1, 2]
+    step = opt.train_step(stacked_loss, manual_gather=True)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+    for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
