@@ -21,9 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from ._mesh import DATA
 
-DEFAULT_MIN_SHARD_SIZE = 1024
-"""Leaves with fewer elements than this stay replicated (like DeepSpeed's persistence
-threshold): sharding them saves at most a few KiB and costs one collective each."""
+DEFAULT_MIN_SHARD_SIZE = 0
+"""By default every leaf but scalars is sharded, as in FSDP2. Raising the threshold keeps
+small leaves (LayerNorm scales, biases) replicated, like DeepSpeed's
+``stage3_param_persistence_threshold``: fewer, larger collectives for a little memory."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,8 @@ class ZeroOptimizer:
         mesh: a mesh with a ``'data'`` axis (other axes are left to the user's specs).
         stage: 0 (plain data parallel), 1 (optimizer state partitioned), 2 (+ gradients),
             3 (+ parameters).
-        min_shard_size: leaves with fewer elements (and scalars) stay replicated.
+        min_shard_size: leaves with fewer elements, and scalars, stay replicated (default 0:
+            every non-scalar leaf is sharded).
         param_specs: optional pytree of ``PartitionSpec`` over the mesh's *other* axes, shaped
             like the parameters (a prefix is fine); jzero adds ``'data'`` to each.
 

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from _models import (
+    SHAPES,
     awkward_batches,
     awkward_loss,
     awkward_params,
@@ -114,14 +115,21 @@ def test_padding_stays_zero(stage):
     assert checked >= 4
 
 
-def test_default_threshold_keeps_small_leaves_replicated():
+def test_threshold_keeps_small_leaves_replicated():
     params, batches = awkward_params(), awkward_batches(STEPS)
     ref_params, _, _ = reference(optax.adam(1e-2), params, awkward_loss, batches)
-    opt, state, _ = _run(3, optax.adam(1e-2), params, batches)  # default threshold 1024
-    assert all(not lay.sharded for lay in state.plan.params)  # every leaf here is < 1024
+    opt, state, _ = _run(3, optax.adam(1e-2), params, batches, min_shard_size=100)
+    sharded = {k for k, lay in zip(sorted(params), state.plan.params) if lay.sharded}
+    assert sharded == {"emb"}  # 520 elements; the rest have fewer than 100
     got = opt.full_params(state)
     for k in ref_params:
         np.testing.assert_allclose(got[k], ref_params[k], rtol=RTOL, atol=ATOL)
+
+
+def test_default_shards_every_leaf_but_scalars():
+    state = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=3).init(awkward_params())
+    sharded = {k: lay.sharded for k, lay in zip(sorted(SHAPES), state.plan.params)}
+    assert sharded == {k: k != "s" for k in SHAPES}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
