@@ -129,7 +129,8 @@ class ZeroOptimizer:
         """``NamedSharding``s of every leaf of a :class:`ZeroState` with ``plan``."""
         params = jax.tree.map(self.param_sharding, plan.params_tree(), is_leaf=is_layout)
         opt = jax.tree.map(lambda lay: self._sharding(lay.spec), plan.opt_tree(), is_leaf=is_layout)
-        return ZeroState(step=self._sharding(P()), params=params, opt_state=opt, plan=plan)
+        # model_state (replicated, any structure) is placed by init(), not listed here.
+        return ZeroState(self._sharding(P()), params, opt, None, plan)
 
     def store_params(self, params: Any, plan: Plan) -> Any:
         """True-shaped params -> their at-rest form (padded in stage 3)."""
@@ -138,7 +139,13 @@ class ZeroOptimizer:
         return jax.tree.map(pad, params, plan.params_tree())
 
     # ----------------------------------------------------------------------------- init
-    def init(self, params: Any = None, *, init_fn: Callable[[], Any] | None = None) -> ZeroState:
+    def init(
+        self,
+        params: Any = None,
+        *,
+        init_fn: Callable[[], Any] | None = None,
+        model_state: Any = None,
+    ) -> ZeroState:
         """Places parameters and a fresh Optax state per stage.
 
         Args:
@@ -147,9 +154,15 @@ class ZeroOptimizer:
             init_fn: a function of no arguments returning the parameters, e.g.
                 ``functools.partial(model.init, key, x)``. It runs inside ``jit`` with the
                 output already sharded, so in stage 3 no device ever holds the whole model.
+            model_state: optional non-trainable state (e.g. Flax ``batch_stats``), kept
+                replicated; see ``train_step(..., with_model_state=True)``.
         """
+        if model_state is not None:
+            _check_leaves(model_state, "model_state")
         fn, arg = self.init_program(params, init_fn=init_fn)
-        return fn(arg)
+        state = fn(arg)
+        model_state = jax.device_put(model_state, self._sharding(P()))
+        return state.replace(model_state=model_state)
 
     def init_program(self, params: Any = None, *, init_fn: Callable[[], Any] | None = None):
         """The jitted program ``init`` runs, and its argument (for inspecting its memory)."""
@@ -175,7 +188,7 @@ class ZeroOptimizer:
             p = make(p)
             opt_state = jax.tree.map(pad, self.tx.init(p), opt_lays)
             step = jnp.zeros((), jnp.int32)
-            return ZeroState(step, self.store_params(p, plan), opt_state, plan)
+            return ZeroState(step, self.store_params(p, plan), opt_state, None, plan)
 
         fn = jax.jit(_init, out_shardings=self.state_shardings(plan))
         return fn, (params if init_fn is None else None)

@@ -21,10 +21,13 @@ class ZeroState:
             partitioned over 'data' (see ``plan``); small leaves replicated.
         opt_state: the Optax state. Stage 0: replicated. Stages 1-3: every leaf laid out
             like a parameter of its shape (sharded and padded over 'data').
+        model_state: non-trainable model state (e.g. Flax ``batch_stats``), replicated over
+            'data' and kept identical on every device; None when the model has none.
         plan: static per-leaf layouts of ``params`` and ``opt_state`` (not a pytree node).
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
+    model_state: Any
     plan: Plan = struct.field(pytree_node=False)

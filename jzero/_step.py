@@ -61,11 +61,15 @@ def _check_batch(batch: Any, n: int, grad_accum: int) -> None:
 
 
 def _local_grads(plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum: int):
-    """The shard_map body: (params at rest, local batch) -> (loss, reduced gradients)."""
+    """The shard_map body: (params at rest, model state, local batch) -> (loss, reduced
+    gradients, model state averaged over 'data').
+
+    ``loss_fn(params, model_state, batch) -> (loss, model_state)``.
+    """
     stage, n = plan.stage, plan.data_size
     lays = plan.params
 
-    def body(params, batch):
+    def body(params, model_state, batch):
         leaves = jax.tree.leaves(params)
         if stage in (0, 1):
             diff = [_varying(x) for x in leaves]
@@ -84,9 +88,9 @@ def _local_grads(plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum:
                 Sharded(s, None, lay) if lay.sharded else s for s, lay in zip(d, lays)
             ]
 
-        def local_loss(d, micro_batch):
+        def local_loss(d, model_state, micro_batch):
             p = jax.tree.unflatten(plan.params_def, wrap(d))
-            return loss_fn(p if manual_gather else gather(p), micro_batch)
+            return loss_fn(p if manual_gather else gather(p), model_state, micro_batch)
 
         if stage == 3 and not manual_gather:
             # Everything is gathered up front: remat just the gathers, so backward gathers
@@ -94,28 +98,39 @@ def _local_grads(plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum:
             # nn.remat around the layer that calls jzero.gather) re-gathers instead; an
             # outer policy here would override it and keep the layers' activations.
             local_loss = jax.checkpoint(local_loss, policy=regather_policy)
-        grad_fn = jax.value_and_grad(local_loss)
+        grad_fn = jax.value_and_grad(local_loss, has_aux=True)
+        model_state = jax.tree.map(_varying, model_state)
         if grad_accum == 1:
-            loss, grads = grad_fn(diff, batch)
+            (loss, model_state), grads = grad_fn(diff, model_state, batch)
         else:  # accumulate in fp32; stages 2/3 reduce-scatter every micro-batch
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
 
             def accumulate(carry, micro_batch):
-                loss, grads = grad_fn(diff, micro_batch)
-                grads = [a + g.astype(a.dtype) for a, g in zip(carry[1], grads)]
-                return (carry[0] + loss.astype(jnp.float32), grads), None
+                loss_sum, grads_sum, model_state = carry
+                (loss, model_state), grads = grad_fn(diff, model_state, micro_batch)
+                grads = [a + g.astype(a.dtype) for a, g in zip(grads_sum, grads)]
+                return (loss_sum + loss.astype(jnp.float32), grads, model_state), None
 
-            zeros = [jnp.zeros(jax.typeof(x).shape, jnp.float32) for x in diff]
-            init = (_varying(jnp.zeros((), jnp.float32)), [_varying(z) for z in zeros])
-            (loss, grads), _ = jax.lax.scan(accumulate, init, micro)
+            zeros = [_varying(jnp.zeros(jax.typeof(x).shape, jnp.float32)) for x in diff]
+            init = (_varying(jnp.zeros((), jnp.float32)), zeros, model_state)
+            (loss, grads, model_state), _ = jax.lax.scan(accumulate, init, micro)
             loss = loss / grad_accum
             grads = [g.astype(x.dtype) for g, x in zip(grads, diff)]
         if stage == 1:  # P_os: the whole local gradient exists before it is reduced
             grads = jax.lax.optimization_barrier(grads)
         grads = [_reduce(g, lay, stage) / (n * grad_accum) for g, lay in zip(grads, lays)]
-        return jax.lax.pmean(loss, DATA), jax.tree.unflatten(plan.params_def, grads)
+        model_state = jax.tree.map(_agree, model_state)
+        return jax.lax.pmean(loss, DATA), jax.tree.unflatten(plan.params_def, grads), model_state
 
     return body
+
+
+def _agree(x: jax.Array) -> jax.Array:
+    """One value of a model-state leaf on every device: the mean of floats (e.g. batch
+    statistics, as synchronised batch norm would give), the max of integers (counters)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, DATA)
+    return jax.lax.pmax(x, DATA)
 
 
 def _local_shape(lay: LeafLayout) -> tuple[int, ...]:
@@ -138,6 +153,7 @@ def make_train_step(
     *,
     manual_gather: bool = False,
     grad_accum: int = 1,
+    with_model_state: bool = False,
     donate: bool = True,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, dict[str, jax.Array]]]:
     """Builds the jitted ``step(state, batch) -> (state, metrics)``.
@@ -158,6 +174,10 @@ def make_train_step(
             full-size local accumulator and communicate once per step; stages 2/3 keep only
             their 1/N shard and reduce-scatter every micro-batch (more, smaller messages
             for 1/N of the accumulator memory).
+        with_model_state: the loss also reads and updates non-trainable model state
+            (``state.model_state``, e.g. Flax ``batch_stats``), replicated over 'data':
+            ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``. jzero then
+            makes the new state agree on every device (mean of floats, max of integers).
         donate: donate the old state's buffers to the new one.
 
     ``metrics`` holds ``loss`` (mean over the global batch) and ``grad_norm`` (global L2
@@ -166,6 +186,10 @@ def make_train_step(
     mesh, n, tx, stage = opt.mesh, opt.data_size, opt.tx, opt.stage
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}.")
+    if with_model_state:
+        inner_loss = loss_fn
+    else:
+        inner_loss = lambda params, model_state, batch: (loss_fn(params, batch), model_state)
 
     def step(state: ZeroState, batch: Any):
         opt.check_state(state)
@@ -175,13 +199,17 @@ def make_train_step(
         rest = lambda lay: lay.data_spec() if stage == 3 else P()
         grad_spec = lambda lay: lay.data_spec() if stage >= 1 else P()
         fwd_bwd = jax.shard_map(
-            _local_grads(plan, loss_fn, manual_gather, grad_accum),
+            _local_grads(plan, inner_loss, manual_gather, grad_accum),
             mesh=mesh,
-            in_specs=(jax.tree.map(rest, lays), jax.tree.map(lambda _: P(DATA), batch)),
-            out_specs=(P(), jax.tree.map(grad_spec, lays)),
+            in_specs=(
+                jax.tree.map(rest, lays),
+                jax.tree.map(lambda _: P(), state.model_state),
+                jax.tree.map(lambda _: P(DATA), batch),
+            ),
+            out_specs=(P(), jax.tree.map(grad_spec, lays), P()),
             axis_names={DATA},
         )
-        loss, grads = fwd_bwd(state.params, batch)
+        loss, grads, model_state = fwd_bwd(state.params, state.model_state, batch)
 
         # Global view: slice the padding off, run plain Optax, pad back.
         grads = jax.tree.map(unpad, grads, lays)
@@ -199,7 +227,8 @@ def make_train_step(
             params = _all_gather_params(opt, plan, params)
         params = jax.lax.with_sharding_constraint(opt.store_params(params, plan), shardings.params)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return ZeroState(state.step + 1, params, opt_state, plan), metrics
+        new_state = ZeroState(state.step + 1, params, opt_state, model_state, plan)
+        return new_state, metrics
 
     return jax.jit(step, donate_argnums=0 if donate else ())
 
