@@ -69,30 +69,25 @@ def pad_local(x: jax.Array, layout: LeafLayout) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def local_shard(full: jax.Array, layout: LeafLayout) -> jax.Array:
-    """This device's shard of a replicated full leaf (no communication)."""
-    padded = pad_local(full, layout)
-    axis = _axis(full, layout)
-    size = padded.shape[axis] // jax.lax.axis_size(DATA)
-    return jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(DATA) * size, size, axis)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _use_replica(sink: jax.Array, full: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Stage 2: forward uses the local full copy; backward reduce-scatters into ``sink``."""
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _use(sink, shard, full, layout: LeafLayout, reduce_dtype: Any) -> jax.Array:
+    """Stage 3: all-gather ``shard``; stage 2: use the local ``full`` copy. Either way the
+    backward pass reduce-scatters the cotangent, in ``reduce_dtype``, into ``sink``."""
     del sink
+    if full is None:
+        return all_gather(shard, layout)
     return jax.lax.pcast(full, DATA, to="varying")
 
 
-def _use_replica_fwd(sink, full, layout):
-    return _use_replica(sink, full, layout), None
+def _use_fwd(sink, shard, full, layout, reduce_dtype):
+    return _use(sink, shard, full, layout, reduce_dtype), None
 
 
-def _use_replica_bwd(layout, _, ct):
-    return reduce_scatter(ct, layout), None
+def _use_bwd(layout, reduce_dtype, _, ct):
+    return reduce_scatter(ct.astype(reduce_dtype), layout), None, None
 
 
-_use_replica.defvjp(_use_replica_fwd, _use_replica_bwd)
+_use.defvjp(_use_fwd, _use_bwd)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -100,26 +95,26 @@ class Sharded:
     """A sharded parameter as the loss function sees it in stages 2 and 3.
 
     Attributes:
-        shard: stage 3: this device's shard of the stored parameter; stage 2: a zero array
-            of the shard's shape that receives the reduce-scattered gradient.
+        sink: zeros of this device's shard shape, in the gradient-reduction dtype; the
+            step differentiates with respect to it, so its gradient is the
+            reduce-scattered (summed) gradient shard.
+        shard: stage 3: this device's shard of the stored parameter; stage 2: None.
         full: stage 2: the replicated full parameter; stage 3: None.
         layout: the leaf's :class:`LeafLayout` (static).
     """
 
-    def __init__(self, shard: jax.Array, full: jax.Array | None, layout: LeafLayout):
-        self.shard, self.full, self.layout = shard, full, layout
+    def __init__(self, sink, shard, full, layout: LeafLayout):
+        self.sink, self.shard, self.full, self.layout = sink, shard, full, layout
 
     def tree_flatten(self):
-        return (self.shard, self.full), self.layout
+        return (self.sink, self.shard, self.full), self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
         return cls(*children, layout)
 
     def gather(self) -> jax.Array:
-        if self.full is None:
-            return all_gather(self.shard, self.layout)
-        return _use_replica(self.shard, self.full, self.layout)
+        return _use(self.sink, self.shard, self.full, self.layout, self.sink.dtype)
 
     def __repr__(self) -> str:
         return f"Sharded(shape={self.layout.shape}, dim={self.layout.dim})"

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._layout import DEFAULT_MIN_SHARD_SIZE, LeafLayout, Plan, is_layout, leaf_layout, pad, unpad
 from ._mesh import check_mesh
+from ._precision import LossScale, Precision
 from ._state import ZeroState
 
 Stage = Literal[0, 1, 2, 3]
@@ -45,6 +46,7 @@ class ZeroOptimizer:
             every non-scalar leaf is sharded).
         param_specs: optional pytree of ``PartitionSpec`` over the mesh's *other* axes, shaped
             like the parameters (a prefix is fine); jzero adds ``'data'`` to each.
+        precision: a :class:`Precision` policy (default: everything float32).
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(optax.adamw(3e-4), jzero.data_mesh(), stage=3)
@@ -61,6 +63,7 @@ class ZeroOptimizer:
         stage: Stage,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         param_specs: Any = None,
+        precision: Precision | None = None,
     ):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
             raise ValueError(
@@ -78,6 +81,9 @@ class ZeroOptimizer:
         self.data_size = check_mesh(mesh)
         self.min_shard_size = min_shard_size
         self.param_specs = param_specs
+        self.precision = Precision() if precision is None else precision
+        if not isinstance(self.precision, Precision):
+            raise TypeError(f"precision must be a jzero.Precision, got {type(precision)}.")
 
     # ----------------------------------------------------------------------------- plan
     def plan(self, params: Any) -> Plan:
@@ -129,8 +135,15 @@ class ZeroOptimizer:
         """``NamedSharding``s of every leaf of a :class:`ZeroState` with ``plan``."""
         params = jax.tree.map(self.param_sharding, plan.params_tree(), is_leaf=is_layout)
         opt = jax.tree.map(lambda lay: self._sharding(lay.spec), plan.opt_tree(), is_leaf=is_layout)
+        master = None
+        if self.precision.mixed:
+            sharded = lambda lay: self._sharding(lay.spec)
+            master = jax.tree.map(sharded, plan.params_tree(), is_leaf=is_layout)
+        loss_scale = None
+        if self.precision.dynamic_loss_scale:
+            loss_scale = LossScale(self._sharding(P()), self._sharding(P()))
         # model_state (replicated, any structure) is placed by init(), not listed here.
-        return ZeroState(self._sharding(P()), params, opt, None, plan)
+        return ZeroState(self._sharding(P()), params, opt, None, master, loss_scale, plan)
 
     def store_params(self, params: Any, plan: Plan) -> Any:
         """True-shaped params -> their at-rest form (padded in stage 3)."""
@@ -184,11 +197,16 @@ class ZeroOptimizer:
         plan = self.plan(abstract)
         opt_lays = plan.opt_tree()
 
+        precision = self.precision
+
         def _init(p):
-            p = make(p)
+            p = precision.cast(make(p), jnp.float32) if precision.mixed else make(p)
             opt_state = jax.tree.map(pad, self.tx.init(p), opt_lays)
             step = jnp.zeros((), jnp.int32)
-            return ZeroState(step, self.store_params(p, plan), opt_state, None, plan)
+            params = self.store_params(precision.cast(p), plan)
+            master = jax.tree.map(pad, p, plan.params_tree()) if precision.mixed else None
+            scale = LossScale.create(precision) if precision.dynamic_loss_scale else None
+            return ZeroState(step, params, opt_state, None, master, scale, plan)
 
         fn = jax.jit(_init, out_shardings=self.state_shardings(plan))
         return fn, (params if init_fn is None else None)

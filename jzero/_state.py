@@ -21,6 +21,10 @@ class ZeroState:
             partitioned over 'data' (see ``plan``); small leaves replicated.
         opt_state: the Optax state. Stage 0: replicated. Stages 1-3: every leaf laid out
             like a parameter of its shape (sharded and padded over 'data').
+        master: fp32 master weights when the precision policy stores parameters in a
+            16-bit dtype, laid out like the optimizer state (sharded over 'data' in stages
+            1-3, padded); None otherwise.
+        loss_scale: dynamic loss-scaling state (:class:`LossScale`), or None.
         model_state: non-trainable model state (e.g. Flax ``batch_stats``), replicated over
             'data' and kept identical on every device; None when the model has none.
         plan: static per-leaf layouts of ``params`` and ``opt_state`` (not a pytree node).
@@ -30,4 +34,6 @@ class ZeroState:
     params: Any
     opt_state: Any
     model_state: Any
+    master: Any
+    loss_scale: Any
     plan: Plan = struct.field(pytree_node=False)

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ._collectives import Sharded, all_gather, gather, reduce_scatter, regather_policy
 from ._layout import LeafLayout, Plan, pad, unpad
 from ._mesh import DATA
+from ._precision import Precision
 from ._state import ZeroState
 
 if TYPE_CHECKING:
@@ -60,37 +61,35 @@ def _check_batch(batch: Any, n: int, grad_accum: int) -> None:
             )
 
 
-def _local_grads(plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum: int):
-    """The shard_map body: (params at rest, model state, local batch) -> (loss, reduced
-    gradients, model state averaged over 'data').
+def _local_grads(
+    plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum: int, precision: Precision
+):
+    """The shard_map body: (params at rest, model state, loss scale, local batch) ->
+    (loss, reduced gradients summed over devices and micro-batches, agreed model state).
 
     ``loss_fn(params, model_state, batch) -> (loss, model_state)``.
     """
-    stage, n = plan.stage, plan.data_size
-    lays = plan.params
+    stage, lays, reduce_dtype = plan.stage, plan.params, precision.reduce_dtype
 
-    def body(params, model_state, batch):
+    def body(params, model_state, scale, batch):
         leaves = jax.tree.leaves(params)
         if stage in (0, 1):
             diff = [_varying(x) for x in leaves]
             wrap = lambda d: d
-        elif stage == 2:
-            diff = [
-                _varying(jnp.zeros(_local_shape(lay), x.dtype)) if lay.sharded else _varying(x)
-                for x, lay in zip(leaves, lays)
-            ]
+        else:  # differentiate zero "sinks" that receive the reduce-scattered gradients
+            sink = lambda x, lay: _varying(jnp.zeros(_local_shape(lay), reduce_dtype))
+            diff = [sink(x, lay) if lay.sharded else _varying(x) for x, lay in zip(leaves, lays)]
+            shard = (lambda x: x) if stage == 3 else (lambda x: None)
+            full = (lambda x: None) if stage == 3 else (lambda x: x)
             wrap = lambda d: [
-                Sharded(s, x, lay) if lay.sharded else s for s, x, lay in zip(d, leaves, lays)
-            ]
-        else:
-            diff = [x if lay.sharded else _varying(x) for x, lay in zip(leaves, lays)]
-            wrap = lambda d: [
-                Sharded(s, None, lay) if lay.sharded else s for s, lay in zip(d, lays)
+                Sharded(s, shard(x), full(x), lay) if lay.sharded else s
+                for s, x, lay in zip(d, leaves, lays)
             ]
 
         def local_loss(d, model_state, micro_batch):
             p = jax.tree.unflatten(plan.params_def, wrap(d))
-            return loss_fn(p if manual_gather else gather(p), model_state, micro_batch)
+            loss, model_state = loss_fn(p if manual_gather else gather(p), model_state, micro_batch)
+            return loss.astype(jnp.float32) * scale, (loss.astype(jnp.float32), model_state)
 
         if stage == 3 and not manual_gather:
             # Everything is gathered up front: remat just the gathers, so backward gathers
@@ -98,27 +97,27 @@ def _local_grads(plan: Plan, loss_fn: Callable, manual_gather: bool, grad_accum:
             # nn.remat around the layer that calls jzero.gather) re-gathers instead; an
             # outer policy here would override it and keep the layers' activations.
             local_loss = jax.checkpoint(local_loss, policy=regather_policy)
-        grad_fn = jax.value_and_grad(local_loss, has_aux=True)
+        grad_fn = jax.grad(local_loss, has_aux=True)
         model_state = jax.tree.map(_varying, model_state)
         if grad_accum == 1:
-            (loss, model_state), grads = grad_fn(diff, model_state, batch)
+            grads, (loss, model_state) = grad_fn(diff, model_state, batch)
         else:  # accumulate in fp32; stages 2/3 reduce-scatter every micro-batch
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
 
             def accumulate(carry, micro_batch):
                 loss_sum, grads_sum, model_state = carry
-                (loss, model_state), grads = grad_fn(diff, model_state, micro_batch)
+                grads, (loss, model_state) = grad_fn(diff, model_state, micro_batch)
                 grads = [a + g.astype(a.dtype) for a, g in zip(grads_sum, grads)]
-                return (loss_sum + loss.astype(jnp.float32), grads, model_state), None
+                return (loss_sum + loss, grads, model_state), None
 
             zeros = [_varying(jnp.zeros(jax.typeof(x).shape, jnp.float32)) for x in diff]
             init = (_varying(jnp.zeros((), jnp.float32)), zeros, model_state)
             (loss, grads, model_state), _ = jax.lax.scan(accumulate, init, micro)
             loss = loss / grad_accum
-            grads = [g.astype(x.dtype) for g, x in zip(grads, diff)]
+            grads = [g.astype(reduce_dtype) for g in grads]
         if stage == 1:  # P_os: the whole local gradient exists before it is reduced
             grads = jax.lax.optimization_barrier(grads)
-        grads = [_reduce(g, lay, stage) / (n * grad_accum) for g, lay in zip(grads, lays)]
+        grads = [_reduce(g.astype(reduce_dtype), lay, stage) for g, lay in zip(grads, lays)]
         model_state = jax.tree.map(_agree, model_state)
         return jax.lax.pmean(loss, DATA), jax.tree.unflatten(plan.params_def, grads), model_state
 
@@ -149,7 +148,7 @@ def _reduce(g: jax.Array, lay: LeafLayout, stage: int) -> jax.Array:
 
 def make_train_step(
     opt: ZeroOptimizer,
-    loss_fn: Callable[[Any, Any], jax.Array],
+    loss_fn: Callable[..., Any],
     *,
     manual_gather: bool = False,
     grad_accum: int = 1,
@@ -180,10 +179,11 @@ def make_train_step(
             makes the new state agree on every device (mean of floats, max of integers).
         donate: donate the old state's buffers to the new one.
 
-    ``metrics`` holds ``loss`` (mean over the global batch) and ``grad_norm`` (global L2
-    norm of the averaged gradient, padding excluded).
+    ``metrics`` holds ``loss`` (mean over the global batch), ``grad_norm`` (global L2 norm
+    of the averaged gradient, padding excluded) and, with dynamic loss scaling,
+    ``loss_scale`` and ``skipped`` (1 where non-finite gradients skipped the update).
     """
-    mesh, n, tx, stage = opt.mesh, opt.data_size, opt.tx, opt.stage
+    mesh, n, stage, precision = opt.mesh, opt.data_size, opt.stage, opt.precision
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}.")
     if with_model_state:
@@ -198,39 +198,63 @@ def make_train_step(
         lays = plan.params_tree()
         rest = lambda lay: lay.data_spec() if stage == 3 else P()
         grad_spec = lambda lay: lay.data_spec() if stage >= 1 else P()
+        scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
         fwd_bwd = jax.shard_map(
-            _local_grads(plan, inner_loss, manual_gather, grad_accum),
+            _local_grads(plan, inner_loss, manual_gather, grad_accum, precision),
             mesh=mesh,
             in_specs=(
                 jax.tree.map(rest, lays),
                 jax.tree.map(lambda _: P(), state.model_state),
+                P(),
                 jax.tree.map(lambda _: P(DATA), batch),
             ),
             out_specs=(P(), jax.tree.map(grad_spec, lays), P()),
             axis_names={DATA},
         )
-        loss, grads, model_state = fwd_bwd(state.params, state.model_state, batch)
-
-        # Global view: slice the padding off, run plain Optax, pad back.
-        grads = jax.tree.map(unpad, grads, lays)
-        params = state.params if stage < 3 else jax.tree.map(unpad, state.params, lays)
-        opt_lays = plan.opt_tree()
-        opt_state = jax.tree.map(unpad, state.opt_state, opt_lays)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-
-        shardings = opt.state_shardings(plan)
-        opt_state = jax.lax.with_sharding_constraint(
-            jax.tree.map(pad, opt_state, opt_lays), shardings.opt_state
+        loss, grads, model_state = fwd_bwd(state.params, state.model_state, scale, batch)
+        # Global view from here: sums -> means (and unscaled), padding sliced off.
+        grads = jax.tree.map(
+            lambda g, lay: unpad(g.astype(jnp.float32) / (n * grad_accum * scale), lay),
+            grads,
+            lays,
         )
-        if stage in (1, 2):
-            params = _all_gather_params(opt, plan, params)
-        params = jax.lax.with_sharding_constraint(opt.store_params(params, plan), shardings.params)
+        new_state = _update(opt, state, grads)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        new_state = ZeroState(state.step + 1, params, opt_state, model_state, plan)
-        return new_state, metrics
+        if state.loss_scale is not None:
+            finite = jnp.isfinite(metrics["grad_norm"])
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            new_state = new_state.replace(loss_scale=state.loss_scale.next(finite, precision))
+            metrics |= {"loss_scale": scale, "skipped": (~finite).astype(jnp.int32)}
+        return new_state.replace(step=state.step + 1, model_state=model_state), metrics
 
     return jax.jit(step, donate_argnums=0 if donate else ())
+
+
+def _update(opt: ZeroOptimizer, state: ZeroState, grads: Any) -> ZeroState:
+    """The Optax update in the global view, on fp32 master weights, then re-placement."""
+    plan, stage, precision = state.plan, opt.stage, opt.precision
+    lays, opt_lays = plan.params_tree(), plan.opt_tree()
+    if precision.mixed:
+        master = jax.tree.map(unpad, state.master, lays)
+    else:
+        master = state.params if stage < 3 else jax.tree.map(unpad, state.params, lays)
+    opt_state = jax.tree.map(unpad, state.opt_state, opt_lays)
+    updates, opt_state = opt.tx.update(grads, opt_state, master)
+    master = optax.apply_updates(master, updates)
+
+    shardings = opt.state_shardings(plan)
+    opt_state = jax.lax.with_sharding_constraint(
+        jax.tree.map(pad, opt_state, opt_lays), shardings.opt_state
+    )
+    params = precision.cast(master)
+    if stage in (1, 2):
+        params = _all_gather_params(opt, plan, params)
+    params = jax.lax.with_sharding_constraint(opt.store_params(params, plan), shardings.params)
+    if precision.mixed:
+        master = jax.lax.with_sharding_constraint(jax.tree.map(pad, master, lays), shardings.master)
+    else:
+        master = None
+    return state.replace(params=params, opt_state=opt_state, master=master)
 
 
 def _all_gather_params(opt: ZeroOptimizer, plan: Plan, params: Any) -> Any:

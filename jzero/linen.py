@@ -1,0 +1,149 @@
+"""Flax Linen adapter: a ``TrainState`` whose ``params`` collection is ZeRO-partitioned;
+other collections (``batch_stats``, ...) ride along in ``ZeroState.model_state``, kept
+identical on every device (floats averaged over 'data').
+
+Examples:
+    >>> state = jzero.linen.TrainState.create(
+    ...     apply_fn=model.apply, variables=model.init(key, x), tx=optax.adam(1e-3),
+    ...     mesh=jzero.data_mesh(), stage=3)
+    >>> def loss_fn(params, model_state, batch):  # model_state: {'batch_stats': ...}
+    ...     logits, updates = model.apply({'params': params, **model_state}, batch['x'],
+    ...                                   train=True, mutable=['batch_stats'])
+    ...     return cross_entropy(logits, batch['y']), updates
+    >>> state, metrics = state.train_step(loss_fn)(state, batch)  # build the step once
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ._optimizer import Stage, ZeroOptimizer
+from ._state import ZeroState
+
+
+@struct.dataclass
+class TrainState:
+    """Like ``flax.training.train_state.TrainState``, with the model states partitioned.
+
+    ``zero``: the :class:`jzero.ZeroState` (params at rest, Optax state, other collections);
+    ``apply_fn``: usually ``model.apply``; ``opt``: the :class:`jzero.ZeroOptimizer`."""
+
+    zero: ZeroState
+    apply_fn: Callable[..., Any] = struct.field(pytree_node=False)
+    opt: ZeroOptimizer = struct.field(pytree_node=False)
+
+    step = property(lambda self: self.zero.step)
+    params = property(lambda self: self.opt.full_params(self.zero), doc="Full params.")
+    model_state = property(lambda self: self.zero.model_state, doc="Other collections.")
+    variables = property(lambda self: {"params": self.params, **self.model_state})
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn: Callable[..., Any],
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        stage: Stage,
+        variables: Mapping[str, Any] | None = None,
+        init_fn: Callable[[], Mapping[str, Any]] | None = None,
+        param_specs: Any = None,
+        min_shard_size: int = 0,
+    ) -> TrainState:
+        """Partitions ``variables['params']`` per stage; ``tx``, ``mesh``, ``stage``,
+        ``min_shard_size`` as for :class:`jzero.ZeroOptimizer`.
+
+        ``variables`` is ``model.init(...)``'s output; or ``init_fn`` returns it (e.g.
+        ``functools.partial(model.init, key, x)``) and runs under ``jit`` with sharded
+        outputs, so in stage 3 no device holds the whole model. ``param_specs`` (over the
+        mesh's other axes) default to the ``nn.with_partitioning`` metadata.
+        """
+        if (variables is None) == (init_fn is None):
+            raise ValueError("TrainState.create needs exactly one of variables= or init_fn=.")
+        abstract = jax.eval_shape(init_fn) if variables is None else variables
+        if not isinstance(abstract, Mapping) or "params" not in abstract:
+            found = sorted(abstract) if isinstance(abstract, Mapping) else type(abstract).__name__
+            raise ValueError(
+                f"can't find the model's params: the variables hold no 'params' collection "
+                f"(found {found}). Pass the whole output of model.init(...) (e.g. {{'params': "
+                "..., 'batch_stats': ...}), not variables['params']."
+            )
+        specs = nn.get_partition_spec(abstract["params"]) if param_specs is None else param_specs
+        param_specs = _fit_specs(nn.unbox(abstract["params"]), specs, mesh)
+        kwargs = dict(stage=stage, param_specs=param_specs, min_shard_size=min_shard_size)
+        opt = ZeroOptimizer(tx, mesh, **kwargs)
+        # Copied: the step donates the state's buffers, which must not be the caller's arrays.
+        others = lambda v: {k: c for k, c in v.items() if k != "params"}
+        rest = lambda v: jax.tree.map(jnp.copy, nn.unbox(others(v)))
+        if variables is None:
+            zero = opt.init(
+                init_fn=lambda: nn.unbox(init_fn()["params"]),
+                model_state=jax.jit(lambda: rest(init_fn()))(),
+            )
+        else:
+            zero = opt.init(nn.unbox(variables["params"]), model_state=rest(variables))
+        return cls(zero=zero, apply_fn=apply_fn, opt=opt)
+
+    def train_step(
+        self, loss_fn: Callable[..., Any], *, manual_gather: bool = False, grad_accum: int = 1
+    ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+        """A ``step(state, batch) -> (state, metrics)``: forward, backward and update.
+
+        ``loss_fn(params, batch) -> loss`` when the model has only ``params``; otherwise
+        ``loss_fn(params, model_state, batch) -> (loss, updates)``: ``model_state`` is
+        ``{'batch_stats': ...}``, ``updates`` what ``apply(..., mutable=[...])`` returns
+        (collections it leaves out are kept). Options as for ``ZeroOptimizer.train_step``.
+        """
+        with_state = bool(self.model_state)
+
+        def inner(params, model_state, batch):
+            loss, updates = loss_fn(params, model_state, batch)
+            return loss, {**model_state, **updates}
+
+        fn = inner if with_state else loss_fn
+        kwargs = dict(manual_gather=manual_gather, grad_accum=grad_accum)
+        core = self.opt.train_step(fn, with_model_state=with_state, **kwargs)
+
+        def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+            zero, metrics = core(state.zero, batch)
+            return state.replace(zero=zero), metrics
+
+        return step
+
+
+def _fit_specs(params: Any, specs: Any, mesh: Mesh) -> Any:
+    """``specs`` over ``params`` with 'data' dropped (jzero adds it), checked against ``mesh``."""
+    is_spec = lambda x: isinstance(x, P) or x is None
+    specs = jax.tree.leaves(jax.tree.broadcast(specs, params, is_leaf=is_spec), is_leaf=is_spec)
+    out = []
+    for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs):
+        name, entries = jax.tree_util.keystr(path), []
+        for dim, axes in enumerate(spec or ()):
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            axes, size = tuple(a for a in axes if a != "data"), 1
+            for axis in axes:
+                if axis not in mesh.shape:
+                    raise ValueError(
+                        f"param {name} is partitioned over mesh axis {axis!r} ({spec}), but the "
+                        f"mesh has axes {dict(mesh.shape)}; add a {axis!r} axis to the mesh, "
+                        f"e.g. jax.make_mesh((n, m), ('data', {axis!r})), or drop it from the spec."
+                    )
+                size *= mesh.shape[axis]
+            if x.shape[dim] % size:
+                raise ValueError(
+                    f"param {name} has shape {tuple(x.shape)}; dim {dim} ({x.shape[dim]}) is "
+                    f"partitioned over mesh axes {axes} of size {size}, which does not divide it; "
+                    "use mesh axis sizes that divide it, or change the layer size."
+                )
+            entries.append(axes[0] if len(axes) == 1 else (axes or None))
+        out.append(P(*entries))
+    return jax.tree.unflatten(jax.tree.structure(params), out)
