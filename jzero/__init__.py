@@ -10,6 +10,7 @@ from ._layout import Plan as Plan
 from ._mesh import data_mesh as data_mesh
 from ._optimizer import ZeroOptimizer as ZeroOptimizer
 from ._precision import Precision as Precision
+from ._remat import remat_layer as remat_layer
 from ._report import Report as Report
 from ._report import report as report
 from ._state import ZeroState as ZeroState

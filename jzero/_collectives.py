@@ -38,6 +38,32 @@ def regather_policy(prim: Any, *_: Any, **params: Any) -> bool:
     return True
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
+
+
+def after(tree: Any, dep: Any) -> Any:
+    """``tree`` unchanged bit for bit, but data-dependent on every float leaf of ``dep``.
+
+    An ordering constraint that survives XLA:CPU, whose pipeline drops optimization
+    barriers before scheduling: each float leaf of ``tree`` gets an exact zero derived
+    from ``dep`` added (``x * 0`` of a finite value is never folded). Leaves whose
+    varying mesh axes don't include ``dep``'s are left alone.
+    """
+    floats = [d for d in jax.tree.leaves(dep) if jnp.issubdtype(d.dtype, jnp.inexact) and d.size]
+    if not floats:
+        return tree
+    s = sum(d.reshape(-1)[0].astype(jnp.float32) for d in floats)
+    zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0  # exactly +-0, never NaN
+
+    def tie(a):
+        if not jnp.issubdtype(a.dtype, jnp.inexact) or not _varying_axes(zero) <= _varying_axes(a):
+            return a
+        return a + zero.astype(a.dtype)
+
+    return jax.tree.map(tie, tree)
+
+
 def _axis(x: jax.Array, layout: LeafLayout) -> int:
     # Counted so that leading stacked axes (lax.scan over layers) do not shift it.
     return x.ndim - len(layout.shape) + layout.dim

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 DATA = "data"
 """Name of the mesh axis that jzero partitions model states along."""
@@ -52,3 +54,39 @@ def check_mesh(mesh: Mesh) -> int:
             "with axis_types=(jax.sharding.AxisType.Auto, ...)."
         )
     return mesh.shape[DATA]
+
+
+def fit_specs(params: Any, specs: Any, mesh: Mesh, *, drop_data: bool = True) -> Any:
+    """``specs`` over ``params``, checked against ``mesh``, with 'data' dropped (jzero adds
+    it) or, if ``drop_data`` is False, refused."""
+    is_spec = lambda x: isinstance(x, P) or x is None
+    specs = jax.tree.leaves(jax.tree.broadcast(specs, params, is_leaf=is_spec), is_leaf=is_spec)
+    out = []
+    for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs):
+        name, entries = jax.tree_util.keystr(path), []
+        for dim, axes in enumerate(spec or ()):
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if DATA in axes and not drop_data:
+                raise ValueError(
+                    f"param {name}: the PartitionSpec {spec} names the {DATA!r} axis; jzero "
+                    "adds 'data' itself. Give specs over your other axes only (e.g. P(None, "
+                    "'model'))."
+                )
+            axes, size = tuple(a for a in axes if a != DATA), 1
+            for axis in axes:
+                if axis not in mesh.shape:
+                    raise ValueError(
+                        f"param {name} is partitioned over mesh axis {axis!r} ({spec}), but the "
+                        f"mesh has axes {dict(mesh.shape)}; add a {axis!r} axis to the mesh, "
+                        f"e.g. jax.make_mesh((n, m), ('data', {axis!r})), or drop it from the spec."
+                    )
+                size *= mesh.shape[axis]
+            if x.shape[dim] % size:
+                raise ValueError(
+                    f"param {name} has shape {tuple(x.shape)}; dim {dim} ({x.shape[dim]}) is "
+                    f"partitioned over mesh axes {axes} of size {size}, which does not divide it; "
+                    "use mesh axis sizes that divide it, or change the layer size."
+                )
+            entries.append(axes[0] if len(axes) == 1 else (axes or None))
+        out.append(P(*entries))
+    return jax.tree.unflatten(jax.tree.structure(params), out)

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._layout import DEFAULT_MIN_SHARD_SIZE, LeafLayout, Plan, is_layout, leaf_layout, pad, unpad
-from ._mesh import check_mesh
+from ._mesh import check_mesh, fit_specs
 from ._precision import LossScale, Precision
 from ._state import ZeroState
 
@@ -116,12 +116,13 @@ class ZeroOptimizer:
         if self.param_specs is None:
             return jax.tree.map(lambda _: P(), shapes)
         try:
-            return jax.tree.broadcast(self.param_specs, shapes, is_leaf=lambda x: isinstance(x, P))
+            jax.tree.broadcast(self.param_specs, shapes, is_leaf=lambda x: isinstance(x, P))
         except ValueError as e:
             raise ValueError(
                 f"param_specs does not match the parameter tree ({e}); give a PartitionSpec "
                 "per parameter leaf, or a prefix of the tree."
             ) from None
+        return fit_specs(shapes, self.param_specs, self.mesh, drop_data=False)
 
     # ------------------------------------------------------------------------ shardings
     def _sharding(self, spec: P) -> NamedSharding:
@@ -174,7 +175,9 @@ class ZeroOptimizer:
             _check_leaves(model_state, "model_state")
         fn, arg = self.init_program(params, init_fn=init_fn)
         state = fn(arg)
-        model_state = jax.device_put(model_state, self._sharding(P()))
+        # A copy (jit never aliases undonated inputs): the donated step must not delete
+        # the caller's arrays.
+        model_state = jax.jit(lambda x: x, out_shardings=self._sharding(P()))(model_state)
         return state.replace(model_state=model_state)
 
     def init_program(self, params: Any = None, *, init_fn: Callable[[], Any] | None = None):

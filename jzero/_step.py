@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ._collectives import Sharded, all_gather, gather, reduce_scatter, regather_policy
+from ._collectives import Sharded, after, all_gather, gather, reduce_scatter, regather_policy
 from ._layout import LeafLayout, Plan, pad, unpad
 from ._mesh import DATA
 from ._precision import Precision
@@ -115,8 +115,8 @@ def _local_grads(
             (loss, grads, model_state), _ = jax.lax.scan(accumulate, init, micro)
             loss = loss / grad_accum
             grads = [g.astype(reduce_dtype) for g in grads]
-        if stage == 1:  # P_os: the whole local gradient exists before it is reduced
-            grads = jax.lax.optimization_barrier(grads)
+        if stage == 1:  # P_os: the whole local gradient exists before any of it is reduced
+            grads = after(grads, [g.reshape(-1)[:1] for g in grads])
         grads = [_reduce(g.astype(reduce_dtype), lay, stage) for g, lay in zip(grads, lays)]
         model_state = jax.tree.map(_agree, model_state)
         return jax.lax.pmean(loss, DATA), jax.tree.unflatten(plan.params_def, grads), model_state

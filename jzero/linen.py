@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
+from ._mesh import fit_specs
 from ._optimizer import Stage, ZeroOptimizer
 from ._state import ZeroState
 
@@ -78,7 +78,7 @@ class TrainState:
                 "..., 'batch_stats': ...}), not variables['params']."
             )
         specs = nn.get_partition_spec(abstract["params"]) if param_specs is None else param_specs
-        param_specs = _fit_specs(nn.unbox(abstract["params"]), specs, mesh)
+        param_specs = fit_specs(nn.unbox(abstract["params"]), specs, mesh)
         kwargs = dict(stage=stage, param_specs=param_specs, min_shard_size=min_shard_size)
         opt = ZeroOptimizer(tx, mesh, **kwargs)
         # Copied: the step donates the state's buffers, which must not be the caller's arrays.
@@ -118,32 +118,3 @@ class TrainState:
             return state.replace(zero=zero), metrics
 
         return step
-
-
-def _fit_specs(params: Any, specs: Any, mesh: Mesh) -> Any:
-    """``specs`` over ``params`` with 'data' dropped (jzero adds it), checked against ``mesh``."""
-    is_spec = lambda x: isinstance(x, P) or x is None
-    specs = jax.tree.leaves(jax.tree.broadcast(specs, params, is_leaf=is_spec), is_leaf=is_spec)
-    out = []
-    for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs):
-        name, entries = jax.tree_util.keystr(path), []
-        for dim, axes in enumerate(spec or ()):
-            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            axes, size = tuple(a for a in axes if a != "data"), 1
-            for axis in axes:
-                if axis not in mesh.shape:
-                    raise ValueError(
-                        f"param {name} is partitioned over mesh axis {axis!r} ({spec}), but the "
-                        f"mesh has axes {dict(mesh.shape)}; add a {axis!r} axis to the mesh, "
-                        f"e.g. jax.make_mesh((n, m), ('data', {axis!r})), or drop it from the spec."
-                    )
-                size *= mesh.shape[axis]
-            if x.shape[dim] % size:
-                raise ValueError(
-                    f"param {name} has shape {tuple(x.shape)}; dim {dim} ({x.shape[dim]}) is "
-                    f"partitioned over mesh axes {axes} of size {size}, which does not divide it; "
-                    "use mesh axis sizes that divide it, or change the layer size."
-                )
-            entries.append(axes[0] if len(axes) == 1 else (axes or None))
-        out.append(P(*entries))
-    return jax.tree.unflatten(jax.tree.structure(params), out)

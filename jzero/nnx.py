@@ -26,9 +26,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
+from ._mesh import fit_specs
 from ._optimizer import Stage, ZeroOptimizer
 from ._state import ZeroState
-from .linen import _fit_specs
 
 
 def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
@@ -90,7 +90,7 @@ class TrainState:
         """
         graphdef, params, rest = _split(model)
         pure = nnx.to_pure_dict(params)
-        specs = _fit_specs(pure, nnx.to_pure_dict(nnx.get_partition_spec(params)), mesh)
+        specs = fit_specs(pure, nnx.to_pure_dict(nnx.get_partition_spec(params)), mesh)
         opt = ZeroOptimizer(tx, mesh, stage=stage, param_specs=specs, min_shard_size=min_shard_size)
         impls = tuple(
             jax.random.key_impl(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else None

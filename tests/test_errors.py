@@ -85,3 +85,21 @@ def test_state_from_another_stage():
 def test_user_spec_naming_data_axis():
     with pytest.raises(ValueError, match="names the 'data' axis"):
         _opt(param_specs=jax.sharding.PartitionSpec("data")).init({"w": np.ones((16, 16))})
+
+
+def test_spec_naming_an_axis_the_mesh_lacks():
+    specs = {"w": jax.sharding.PartitionSpec(None, "model")}
+    with pytest.raises(ValueError, match=r"param \['w'\] is partitioned over mesh axis 'model'"):
+        _opt(param_specs=specs).init({"w": np.ones((16, 16), np.float32)})
+
+
+def test_model_axis_that_does_not_divide_the_dim():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    opt = jzero.ZeroOptimizer(
+        optax.adam(1e-2),
+        mesh,
+        stage=3,
+        param_specs={"w": jax.sharding.PartitionSpec(None, "model")},
+    )
+    with pytest.raises(ValueError, match=r"dim 1 \(6\) is partitioned over mesh axes"):
+        opt.init({"w": np.ones((16, 6), np.float32)})

@@ -61,3 +61,12 @@ def test_model_state_must_be_arrays():
     opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=1)
     with pytest.raises(TypeError, match=r"model_state leaf \['momentum'\]"):
         opt.init(awkward_params(), model_state={"momentum": "fast"})
+
+
+def test_init_copies_the_callers_model_state():
+    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=1)
+    model_state = {"mean": jnp.zeros((40,), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+    state = opt.init(awkward_params(), model_state=model_state)
+    step = opt.train_step(loss_with_stats, with_model_state=True)
+    state, _ = step(state, awkward_batches(1)[0])  # donates the state's buffers
+    assert float(model_state["mean"].sum()) == 0.0  # the caller's arrays are still alive

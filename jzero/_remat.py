@@ -1,0 +1,76 @@
+"""``remat_layer``: a rematerialised layer that gathers its parameters one layer at a time.
+
+Stage 3 should hold about one layer's gathered parameters at a time, in forward and in
+backward. ``jax.checkpoint`` alone gives that for a ``lax.scan`` over stacked layers, but
+not for an unrolled model on XLA:CPU: its pipeline removes the optimization barriers that
+JAX's remat relies on before common-subexpression elimination, which then merges each
+backward re-gather into the forward gather; and its scheduler issues every layer's gather
+at the start of the pass. ``remat_layer`` makes each gather depend on data that exists only
+once the layer is reached -- the layer's input in forward, its output cotangent in
+backward -- by adding an exact zero derived from it (``x * 0`` of a finite value is never
+folded). Measured on an 8-layer unrolled MLP (512x512 layers): compiled temp 9.25 MiB
+with ``jax.checkpoint``, 2.06 MiB with ``remat_layer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._collectives import Sharded, after, gather
+
+
+def _is_stage3(params: Any) -> bool:
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Sharded))
+    return any(isinstance(p, Sharded) and p.full is None for p in leaves)
+
+
+def remat_layer(
+    fn: Callable[..., Any], *, policy: Callable[..., bool] | None = None
+) -> Callable[..., Any]:
+    """``layer(params, *args) = fn(jzero.gather(params), *args)``, rematerialised.
+
+    Use it for each layer of a model trained with ``train_step(..., manual_gather=True)``,
+    unrolled (a Python loop) or as the body of a ``lax.scan`` over stacked layers. In
+    stage 3 the layer's parameters are gathered once its input exists and gathered again
+    in backward once its output's cotangent exists, so about one layer's gathered
+    parameters are alive at a time; backward recomputes the whole layer. In other stages
+    it is ``jax.checkpoint(..., policy=policy)``.
+
+    Args:
+        fn: ``fn(params, *args)`` with full parameters. It must be a function of its
+            arguments only (no closed-over traced arrays), like any ``jax.custom_vjp``.
+        policy: a ``jax.checkpoint_policies`` policy for stages 0-2 (stage 3 saves only
+            the layer's inputs and parameter shards).
+
+    Examples:
+        >>> block = jzero.remat_layer(lambda p, x: jnp.tanh(x @ p["w"] + p["b"]))
+        >>> def loss_fn(params, batch):
+        ...     x = batch["x"]
+        ...     for p in params["layers"]:
+        ...         x = block(p, x)
+        ...     return jnp.mean((x - batch["y"]) ** 2)
+    """
+    plain = lambda params, *args: fn(gather(params), *args)
+
+    @jax.custom_vjp
+    def layer(params, *args):
+        return plain(after(params, args), *args)
+
+    def layer_fwd(params, *args):
+        return layer(params, *args), (params, args)  # residuals: shards and inputs only
+
+    def layer_bwd(residuals, ct):
+        params, args = residuals
+        _, vjp = jax.vjp(plain, after(params, ct), *args)  # gathers again, then VJP
+        return vjp(ct)
+
+    layer.defvjp(layer_fwd, layer_bwd)
+    checkpointed = jax.checkpoint(plain, policy=policy)
+
+    def apply(params, *args):
+        return layer(params, *args) if _is_stage3(params) else checkpointed(params, *args)
+
+    return apply
