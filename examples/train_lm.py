@@ -36,6 +36,12 @@ import gpt  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+PRECISIONS = {
+    "fp32": jzero.Precision(),
+    "bf16": jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32),
+    "fp16": jzero.Precision(param_dtype=jnp.float16, reduce_dtype=jnp.float32),
+}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -43,10 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--batch-size", type=int, default=32, help="global; a multiple of devices")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    # Only fp32 for now: bf16 compute lands with the library's precision policy.
-    p.add_argument("--precision", choices=["fp32"], default="fp32")
-    # Only 1 for now: gradient accumulation lands with the library's accumulation option.
-    p.add_argument("--grad-accum", type=int, choices=[1], default=1)
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="fp32",
+        help="bf16/fp16: 16-bit params and compute, fp32 master weights and gradient "
+        "reduction; fp16 adds dynamic loss scaling",
+    )
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -102,7 +112,7 @@ def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: in
 
     @jax.jit
     def next_token(params, window_1xT, pos, key):
-        logits_V = gpt.logits_fn(cfg, params, window_1xT)[0, pos]
+        logits_V = gpt.logits_fn(cfg, params, window_1xT)[0, pos].astype(jnp.float32)
         if temperature == 0:
             return jnp.argmax(logits_V).astype(jnp.int32)
         return jax.random.categorical(key, logits_V / temperature).astype(jnp.int32)
@@ -126,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     log.info("args %s", vars(args))
 
     # ---------------------------------------------------------------- model and data
+    precision = PRECISIONS[args.precision]
     cfg = gpt.GPTConfig(
-        seq_len=args.seq_len, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers,
+        dtype=precision.param_dtype,
     )
     corpus = data.load_corpus()
     batches = data.batches(corpus, batch_size=args.batch_size, seq_len=cfg.seq_len, seed=args.seed)
@@ -138,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps
     )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    opt = jzero.ZeroOptimizer(tx, mesh, stage=args.stage)
+    opt = jzero.ZeroOptimizer(tx, mesh, stage=args.stage, precision=precision)
     # init_fn runs under jit with sharded outputs: in stage 3 no device holds the whole model.
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
     state = opt.init(init_fn=init_fn)
@@ -147,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     print(layout_summary(state))
     log.info("%s", layout_summary(state))
     # manual_gather: the model gathers each layer's parameters inside its nn.scan body.
-    train_step = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True)
+    train_step = opt.train_step(
+        gpt.make_loss_fn(cfg), manual_gather=True, grad_accum=args.grad_accum
+    )
     batch_sharding = NamedSharding(mesh, P("data"))
 
     # ---------------------------------------------------------------- train
