@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from devices import setup_devices
 from flax import nnx
 
 import jzero
@@ -37,13 +38,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-devices", type=int, default=8, help="CPU devices forced without GPU")
     return p.parse_args(argv)
-
-
-def setup_devices(cpu_devices: int) -> list[jax.Device]:
-    # Only shapes the CPU backend (harmless on GPU/TPU); must run before any JAX operation.
-    if jax.config.jax_num_cpu_devices != cpu_devices:
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
-    return jax.devices()
 
 
 def spirals(n: int, classes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

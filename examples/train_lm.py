@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
+from devices import setup_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
@@ -68,14 +69,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt", default="And God said")
     p.add_argument("--cpu-devices", type=int, default=8, help="CPU devices forced without GPU")
     return p.parse_args(argv)
-
-
-def setup_devices(cpu_devices: int) -> list[jax.Device]:
-    # jax_num_cpu_devices only shapes the CPU backend, so setting it is harmless on GPU/TPU,
-    # where jax.devices() returns the accelerators. It must happen before any JAX operation.
-    if jax.config.jax_num_cpu_devices != cpu_devices:
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
-    return jax.devices()
 
 
 def make_logger(out: Path) -> logging.Logger:
