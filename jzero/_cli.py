@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", help="answer the inverse: largest model in e.g. 80GB")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="plot model states vs N (ZeRO Figure 1)")
+    p.add_argument(
+        "--measured",
+        metavar="BENCH.json",
+        help="overlay the model-state bytes that scripts/bench.py --json measured",
+    )
     return parser
 
 
@@ -149,10 +154,31 @@ def _estimate(args: argparse.Namespace) -> int:
             result["max_params"].append({"stage": stage, "params": psi, "total_bytes": total})
     if args.plot:
         opts = {key: common[key] for key in ("k", "precision", "model_parallel")}
-        plot_model_states(args.plot, params=args.params, **opts)
+        measured = _measured(args.measured) if args.measured else None
+        plot_model_states(args.plot, params=args.params, measured=measured, **opts)
         print(f"wrote {args.plot}", file=sys.stderr)
     print(json.dumps(result, indent=2) if args.json else _format(result))
     return 0
+
+
+def _measured(path: str) -> dict[int, list[tuple[int, float]]]:
+    """{stage: [(N, bytes)]} from a benchmark JSON (DESIGN section 3); jzero runs only."""
+    try:
+        with open(path) as f:
+            bench = json.load(f)
+        runs, devices = bench["runs"], bench["devices"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"--measured {path}: not a benchmark JSON ({e}); write one with "
+            "python scripts/bench.py --json PATH."
+        ) from None
+    out: dict[int, list[tuple[int, float]]] = {}
+    for run in runs:
+        if run["name"] in ("dp", "zero1", "zero2", "zero3"):
+            out.setdefault(run["stage"], []).append(
+                (devices, float(run["model_state_bytes_per_device"]))
+            )
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

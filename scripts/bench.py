@@ -58,12 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write DESIGN section 3's JSON here")
     ap.add_argument("--quick", action="store_true", help="small model, few steps")
-    ap.add_argument("--layers", type=int, help="transformer blocks (default 4; quick 2)")
-    ap.add_argument("--d-model", type=int, help="width (default 128; quick 64)")
+    ap.add_argument("--layers", type=int, help="transformer blocks (default 8; quick 2)")
+    ap.add_argument("--d-model", type=int, help="width (default 256; quick 64)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (default 64; quick 32)")
     ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--batch", type=int, help="global batch (default 32; quick 16)")
+    ap.add_argument("--batch", type=int, help="global batch (default 16; quick 16)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--steps", type=int, help="timed steps (default 20; quick 5)")
     ap.add_argument("--runs", default=",".join(name for name, _ in RUNS), help="subset")
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cpu-devices", type=int, default=8, help="forced CPU devices")
     args = ap.parse_args(argv)
     quick = {"layers": 2, "d_model": 64, "seq_len": 32, "batch": 16, "steps": 5}
-    full = {"layers": 4, "d_model": 128, "seq_len": 64, "batch": 32, "steps": 20}
+    full = {"layers": 8, "d_model": 256, "seq_len": 64, "batch": 16, "steps": 20}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

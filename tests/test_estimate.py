@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jzero import _estimate as E
-from jzero._cli import main
+from jzero._cli import _measured, main
 
 # ZeRO paper (arXiv:1910.02054) Table 1: GB (1e9 bytes) per device, K = 12, mixed precision.
 # Row: DP degree N, then P_os, P_os+g, P_os+g+p (stages 1, 2, 3) for Ψ = 7.5B, 128B, 1T.
@@ -298,3 +298,53 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
     with pytest.raises(ImportError, match=r"pip install 'jzero\[examples\]'"):
         E.plot_model_states(str(tmp_path / "x.png"), params=1e6)
+
+
+def test_cli_plot_overlays_benchmark_measurements(tmp_path):
+    bench = {
+        "devices": 8,
+        "runs": [
+            {"name": name, "stage": stage, "model_state_bytes_per_device": 1e6 / (stage + 1)}
+            for stage, name in enumerate(["dp", "zero1", "zero2", "zero3"])
+        ]
+        + [{"name": "auto_fsdp", "stage": 3, "model_state_bytes_per_device": 5.0}],
+    }
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    assert _measured(str(path)) == {s: [(8, 1e6 / (s + 1))] for s in range(4)}
+    png = tmp_path / "m.png"
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "1e6",
+                "--devices",
+                "8",
+                "--plot",
+                str(png),
+                "--measured",
+                str(path),
+            ]
+        )
+        == 0
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "1e6",
+                "--devices",
+                "8",
+                "--plot",
+                str(png),
+                "--measured",
+                str(bad),
+            ]
+        )
+        == 2
+    )
