@@ -25,7 +25,7 @@ def _kinds(cs):
     return sorted({c.kind for c in cs})
 
 
-W_FULL, W_SHARD = (WIDTH, WIDTH), (WIDTH, WIDTH // 8)
+W_FULL, W_SHARD = (WIDTH, WIDTH), (WIDTH // 8, WIDTH)  # sharded on its major dim
 
 
 def test_stage0_all_reduces_full_gradients_only():
@@ -40,7 +40,7 @@ def test_stage1_reduce_scatters_after_backward_and_gathers_params():
     # Once per step, outside any loop: the whole stacked gradient, after backward.
     assert all(c.trip_count == 1 for c in cs)
     rs = [c for c in cs if c.kind == "reduce-scatter"]
-    assert sorted(c.shape for c in rs) == [(LAYERS, WIDTH // 8), (LAYERS, WIDTH, WIDTH // 8)]
+    assert sorted(c.shape for c in rs) == [(LAYERS, WIDTH // 8), (LAYERS, WIDTH // 8, WIDTH)]
 
 
 def test_stage2_reduce_scatters_each_layer_inside_backward():

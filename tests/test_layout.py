@@ -27,8 +27,8 @@ N = 8
         ((40, 13), 1, (40, 16)),  # the leading dim is never sharded (may be stacked layers)
         ((3, 13, 7), 1, (3, 16, 7)),  # none divides: the largest non-leading, padded
         ((7,), 0, (8,)),  # shorter than the device count: padded
-        ((4, 64, 64), 2, (4, 64, 64)),  # ties -> later dim
-        ((8, 16, 24), 2, (8, 16, 24)),  # largest divisible non-leading dim
+        ((4, 64, 64), 1, (4, 64, 64)),  # the first divisible non-leading dim
+        ((8, 16, 24), 1, (8, 16, 24)),  # contiguous shards, not the largest dim
         ((8, 100), 1, (8, 104)),  # stacked (layers, d): pad d rather than split the layers
     ],
 )
