@@ -233,6 +233,11 @@ class ZeroOptimizer:
                 f"optimizer is stage {self.stage} on {self.data_size}; create the state with "
                 "this optimizer's init()."
             )
+        if (state.master is not None) != self.precision.mixed:
+            raise ValueError(
+                f"state was made with a different precision policy than this optimizer's "
+                f"({self.precision}); create the state with this optimizer's init()."
+            )
         if jax.tree.structure(state.params) != plan.params_def:
             raise ValueError(
                 "state.params does not match the parameter tree given to init() "
@@ -240,11 +245,32 @@ class ZeroOptimizer:
                 "re-run opt.init(params) after changing the model."
             )
 
-    def train_step(self, loss_fn: Callable[..., jax.Array], **kwargs: Any):
-        """A jitted ``step(state, batch) -> (state, metrics)``; see :func:`make_train_step`."""
+    def train_step(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        manual_gather: bool = False,
+        grad_accum: int = 1,
+        with_model_state: bool = False,
+        donate: bool = True,
+    ):
+        """A jitted ``step(state, batch) -> (state, metrics)``.
+
+        See :func:`jzero._step.make_train_step` for the arguments: ``manual_gather`` (the
+        loss gathers per layer, e.g. with :func:`jzero.remat_layer`), ``grad_accum``
+        (micro-batches per step), ``with_model_state`` (``loss_fn(params, model_state,
+        batch) -> (loss, model_state)``) and ``donate``.
+        """
         from ._step import make_train_step
 
-        return make_train_step(self, loss_fn, **kwargs)
+        return make_train_step(
+            self,
+            loss_fn,
+            manual_gather=manual_gather,
+            grad_accum=grad_accum,
+            with_model_state=with_model_state,
+            donate=donate,
+        )
 
 
 def _check_same_tree(given: Any, expected: Any) -> None:

@@ -103,3 +103,10 @@ def test_model_axis_that_does_not_divide_the_dim():
     )
     with pytest.raises(ValueError, match=r"dim 1 \(6\) is partitioned over mesh axes"):
         opt.init({"w": np.ones((16, 6), np.float32)})
+
+
+def test_state_from_another_precision_policy():
+    state = _opt(stage=1).init(awkward_params())
+    bf16 = jzero.Precision(param_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="different precision policy"):
+        _opt(stage=1, precision=bf16).train_step(awkward_loss)(state, awkward_batches(1)[0])
