@@ -45,7 +45,8 @@ class Report:
         grads_bytes: gradients held per device, *derived from the plan*, not measured:
             stages 0/1 the full local gradient; stages 2/3 the padded shard of each sharded
             leaf plus the full gradient of each replicated leaf.
-        opt_bytes: optimizer state held at rest (live arrays, one addressable shard each).
+        opt_bytes: optimizer state held at rest, fp32 master weights included (live
+            arrays, one addressable shard each).
         theory_model_state_bytes: DESIGN section 1 with Ψ and the actual bytes per
             parameter (optimizer state: a single-device copy's bytes / Ψ).
         peak_bytes: compiled peak per device, ``argument + output + temp - alias`` from
@@ -171,6 +172,8 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     param_total = sum(math.prod(lay.shape) * s for lay, s in zip(plan.params, itemsizes))
     opt_sizes = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
     opt_total = sum(math.prod(lay.shape) * s for lay, s in zip(plan.opt, opt_sizes))
+    if state.master is not None:  # fp32 master weights count as optimizer state (K)
+        opt_total += 4 * num_params
     per_param = param_total / max(num_params, 1)
     theory_states = theory_model_state_bytes(
         params=num_params,
@@ -188,7 +191,7 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         num_params=num_params,
         params_bytes=_shard_bytes(state.params),
         grads_bytes=_grad_bytes(plan, itemsizes),
-        opt_bytes=_shard_bytes(state.opt_state),
+        opt_bytes=_shard_bytes((state.opt_state, state.master)),
         theory_model_state_bytes=theory_states,
         peak_bytes=peak,
         memory=memory,

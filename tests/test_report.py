@@ -124,3 +124,16 @@ def test_peak_and_serialisation():
     text = str(rep)
     assert "model states" in text and "all-gather" in text and "stage 3" in text
     assert np.isfinite(rep.model_state_ratio) and not rep.notes  # f32: no CPU caveat
+
+
+def test_mixed_precision_master_weights_count_as_optimizer_state():
+    params = {"w": jnp.ones((64, 128), jnp.float32)}
+    psi = 64 * 128
+    precision = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=3, precision=precision)
+    state = opt.init(params)
+    loss = lambda p, b: jnp.mean((b["x"] @ jzero.gather(p)["w"]).astype(jnp.float32) ** 2)
+    rep = report(opt.train_step(loss), state, {"x": jnp.ones((8, 64), jnp.bfloat16)})
+    assert rep.params_bytes == 2 * psi // N
+    assert rep.opt_bytes == 12 * psi // N + 4  # master + two moments, + Adam's int32 count
+    assert rep.model_state_ratio == pytest.approx(1.0, abs=1e-3)  # 2 + 2 + K over N
