@@ -13,6 +13,11 @@ Examples:
     >>> train_step = state.train_step(loss_fn)
     >>> state, metrics = train_step(state, batch)
     >>> model = state.model()  # an nnx.Module with the trained parameters
+
+Stage 3 holds about one layer's gathered parameters at a time with
+``state.train_step(loss_fn, manual_gather=True)`` when the model gathers each layer where it
+uses it, through :func:`remat_layer` (e.g. in the body of an ``nnx.scan``) and
+:func:`gathered` (see ``tests/test_nnx_layers.py``).
 """
 
 from __future__ import annotations
@@ -26,14 +31,76 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
+from ._collectives import Sharded, gather
 from ._mesh import fit_specs
 from ._optimizer import Stage, ZeroOptimizer
+from ._remat import remat_layer as _remat_layer
 from ._state import ZeroState
 
 
 def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return graphdef, params, rest
+
+
+def _is_sharded(x: Any) -> bool:
+    return isinstance(x, Sharded)
+
+
+def gathered(module: nnx.Module) -> nnx.Module:
+    """``module`` with its ``nnx.Param`` values passed through :func:`jzero.gather`.
+
+    For a loss given to ``TrainState.train_step(..., manual_gather=True)``, whose model
+    holds :class:`jzero.Sharded` handles in its Params in stages 2/3: the result is a new
+    module of the same structure whose Params hold full arrays and whose other variables
+    (BatchNorm statistics, RNG state) are ``module``'s own, so updates to them are kept.
+    Call it once per forward pass, where the module is used; for layers, prefer
+    :func:`remat_layer`, which also re-gathers in backward. On plain arrays and in stages
+    0/1 the Params' values are returned unchanged.
+    """
+    graphdef, params, rest = _split(module)
+    return nnx.merge(graphdef, gather(params), rest)
+
+
+def remat_layer(
+    fn: Callable[..., Any], *, policy: Callable[..., bool] | None = None
+) -> Callable[..., Any]:
+    """``layer(module, *args) = fn(gathered(module), *args)``, rematerialised.
+
+    The NNX form of :func:`jzero.remat_layer`: call it on each layer of a model trained
+    with ``TrainState.train_step(..., manual_gather=True)``, e.g. inside the body of an
+    ``nnx.scan`` over layers stacked with ``nnx.vmap``. In stage 3 the layer's Params are
+    all-gathered once its input exists and again in backward, so about one layer's gathered
+    parameters are alive at a time; in stages 0-2 it is ``jax.checkpoint(...,
+    policy=policy)``. Changes ``fn`` makes to the layer's other variables (BatchNorm
+    statistics) are written back to ``module``; its Params must not be assigned.
+
+    Args:
+        fn: ``fn(module, *args)``; ``args`` are pytrees of arrays (no modules).
+        policy: a ``jax.checkpoint_policies`` policy for stages 0-2.
+
+    Examples:
+        >>> block = jzero.nnx.remat_layer(lambda layer, x: layer(x))
+        >>> @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        ... def forward(layer, x):
+        ...     return block(layer, x)
+    """
+
+    def pure(params: Any, graphdef: Any, rest: Any, *args: Any) -> tuple[Any, Any]:
+        module = nnx.merge(graphdef, params, rest)
+        out = fn(module, *args)
+        return out, _split(module)[2]
+
+    def layer(module: nnx.Module, *args: Any) -> Any:
+        graphdef, params, rest = _split(module)
+        static = _remat_layer(
+            lambda params, rest, *args: pure(params, graphdef, rest, *args), policy=policy
+        )
+        out, rest = static(params, rest, *args)
+        nnx.update(module, rest)
+        return out
+
+    return layer
 
 
 def _keys_out(tree: Any) -> Any:
@@ -102,7 +169,8 @@ class TrainState:
         return cls(zero, graphdef, opt, jax.tree.structure(params), jax.tree.structure(rest), impls)
 
     def _merge(self, params: Any, model_state: Any) -> nnx.Module:
-        params = jax.tree.unflatten(self.params_def, jax.tree.leaves(params))
+        leaves = jax.tree.leaves(params, is_leaf=_is_sharded)
+        params = jax.tree.unflatten(self.params_def, leaves)
         rest = jax.tree.unflatten(
             self.rest_def, jax.tree.leaves(_keys_in(model_state, self.key_impls))
         )
@@ -113,13 +181,24 @@ class TrainState:
         return self._merge(self.opt.full_params(self.zero), self.zero.model_state)
 
     def train_step(
-        self, loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_accum: int = 1
+        self,
+        loss_fn: Callable[[nnx.Module, Any], jax.Array],
+        *,
+        manual_gather: bool = False,
+        grad_accum: int = 1,
     ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-        """A ``step(state, batch) -> (state, metrics)``; ``loss_fn(model, batch) -> loss``.
+        """A jitted ``step(state, batch) -> (state, metrics)``; ``loss_fn(model, batch) -> loss``.
 
         ``loss_fn`` gets the module merged from the (gathered) parameters and the other
         state; whatever it changes in that state (e.g. BatchNorm running statistics in
         ``train`` mode) is carried to the next step, averaged over 'data'.
+
+        With ``manual_gather=True`` the module's sharded Params hold :class:`jzero.Sharded`
+        handles in stages 2/3 and ``loss_fn`` gathers each submodule where it uses it:
+        layers through :func:`remat_layer` (stage 3 then holds about one layer's gathered
+        parameters at a time), other submodules through :func:`gathered`. Both leave plain
+        arrays as they are (stages 0/1, or the model outside jzero), so one ``loss_fn``
+        serves every stage. ``grad_accum`` as for ``ZeroOptimizer.train_step``.
         """
 
         def inner(params: Any, model_state: Any, batch: Any) -> tuple[jax.Array, Any]:
@@ -127,10 +206,12 @@ class TrainState:
             loss = loss_fn(model, batch)
             return loss, _keys_out(nnx.to_pure_dict(_split(model)[2]))
 
-        core = self.opt.train_step(inner, with_model_state=True, grad_accum=grad_accum)
+        core = self.opt.train_step(
+            inner, with_model_state=True, manual_gather=manual_gather, grad_accum=grad_accum
+        )
 
         def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
             zero, metrics = core(state.zero, batch)
             return state.replace(zero=zero), metrics
 
-        return step
+        return jax.jit(step, donate_argnums=0)
