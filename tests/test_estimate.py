@@ -313,38 +313,12 @@ def test_cli_plot_overlays_benchmark_measurements(tmp_path):
     path.write_text(json.dumps(bench))
     assert _measured(str(path)) == {s: [(8, 1e6 / (s + 1))] for s in range(4)}
     png = tmp_path / "m.png"
-    assert (
-        main(
-            [
-                "estimate",
-                "--params",
-                "1e6",
-                "--devices",
-                "8",
-                "--plot",
-                str(png),
-                "--measured",
-                str(path),
-            ]
-        )
-        == 0
+    plot = lambda bench_path: main(
+        ["estimate", "--params", "1e6", "--devices", "8", "--plot", str(png)]
+        + ["--measured", str(bench_path)]
     )
+    assert plot(path) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    assert (
-        main(
-            [
-                "estimate",
-                "--params",
-                "1e6",
-                "--devices",
-                "8",
-                "--plot",
-                str(png),
-                "--measured",
-                str(bad),
-            ]
-        )
-        == 2
-    )
+    assert plot(bad) == 2
