@@ -20,7 +20,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from flax import struct
 from jax.sharding import Mesh
@@ -81,9 +80,8 @@ class TrainState:
         param_specs = fit_specs(nn.unbox(abstract["params"]), specs, mesh)
         kwargs = dict(stage=stage, param_specs=param_specs, min_shard_size=min_shard_size)
         opt = ZeroOptimizer(tx, mesh, **kwargs)
-        # Copied: the step donates the state's buffers, which must not be the caller's arrays.
-        others = lambda v: {k: c for k, c in v.items() if k != "params"}
-        rest = lambda v: jax.tree.map(jnp.copy, nn.unbox(others(v)))
+        # opt.init copies model_state, so the donated step never deletes the caller's arrays.
+        rest = lambda v: nn.unbox({k: c for k, c in v.items() if k != "params"})
         if variables is None:
             zero = opt.init(
                 init_fn=lambda: nn.unbox(init_fn()["params"]),

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
@@ -163,8 +162,8 @@ class TrainState:
             jax.random.key_impl(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else None
             for x in jax.tree.leaves(rest)
         )
-        # A copy: the step donates the state's buffers, which must not be the model's arrays.
-        model_state = jax.tree.map(jnp.copy, _keys_out(nnx.to_pure_dict(rest)))
+        # opt.init copies model_state, so the donated step never deletes the model's arrays.
+        model_state = _keys_out(nnx.to_pure_dict(rest))
         zero = opt.init(pure, model_state=model_state)
         return cls(zero, graphdef, opt, jax.tree.structure(params), jax.tree.structure(rest), impls)
 
