@@ -23,7 +23,6 @@ from devices import setup_devices
 from flax import nnx
 
 import jzero
-import jzero.nnx
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

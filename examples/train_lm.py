@@ -87,14 +87,14 @@ def tree_bytes_per_device(tree) -> int:
 
 def layout_summary(state: jzero.ZeroState) -> str:
     plan = state.plan
-    p_sharded = sum(lay.sharded for lay in plan.params)
-    o_sharded = sum(lay.sharded for lay in plan.opt)
+    p_sharded = sum(lay.sharded for lay in plan.layouts)
+    o_sharded = sum(lay.sharded for lay in plan.opt_layouts)
     mib = lambda b: f"{b / 2**20:.2f} MiB"
     return (
         f"stage {plan.stage} on {plan.data_size} devices: "
-        f"params {p_sharded}/{len(plan.params)} leaves sharded, "
+        f"params {p_sharded}/{len(plan.layouts)} leaves sharded, "
         f"{mib(tree_bytes_per_device(state.params))} per device; "
-        f"optimizer state {o_sharded}/{len(plan.opt)} leaves sharded, "
+        f"optimizer state {o_sharded}/{len(plan.opt_layouts)} leaves sharded, "
         f"{mib(tree_bytes_per_device(state.opt_state))} per device"
     )
 

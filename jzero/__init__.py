@@ -1,18 +1,25 @@
-"""jzero: ZeRO (Zero Redundancy Optimizer, stages 0-3) for JAX and Optax."""
+"""jzero: ZeRO (Zero Redundancy Optimizer, stages 0-3) for JAX and Optax.
 
-from ._collectives import Sharded as Sharded
-from ._collectives import gather as gather
-from ._estimate import Estimate as Estimate
-from ._estimate import estimate as estimate
-from ._estimate import max_params as max_params
-from ._layout import LeafLayout as LeafLayout
-from ._layout import Plan as Plan
-from ._mesh import data_mesh as data_mesh
-from ._optimizer import ZeroOptimizer as ZeroOptimizer
-from ._precision import Precision as Precision
-from ._remat import remat_layer as remat_layer
-from ._report import Report as Report
-from ._report import report as report
-from ._state import ZeroState as ZeroState
+Layout of the package: ``jzero.core`` (mesh, plan/layout, collectives, placement, step,
+precision, remat), ``jzero.adapters`` (the Flax adapters, published as ``jzero.linen`` and
+``jzero.nnx``), ``jzero.accounting`` (estimates, HLO collectives, report) and ``jzero.cli``.
+"""
+
+from .accounting.estimate import Estimate as Estimate
+from .accounting.estimate import estimate as estimate
+from .accounting.estimate import max_params as max_params
+from .accounting.report import Report as Report
+from .accounting.report import report as report
+from .adapters import linen as linen
+from .adapters import nnx as nnx
+from .core.collectives import Sharded as Sharded
+from .core.collectives import gather as gather
+from .core.layout import LeafLayout as LeafLayout
+from .core.mesh import data_mesh as data_mesh
+from .core.optimizer import ZeroOptimizer as ZeroOptimizer
+from .core.plan import Plan as Plan
+from .core.precision import Precision as Precision
+from .core.remat import remat_layer as remat_layer
+from .core.state import ZeroState as ZeroState
 
 __version__ = "0.1.0"

@@ -1,3 +1,3 @@
-from jzero._cli import main
+from jzero.cli import main
 
 raise SystemExit(main())

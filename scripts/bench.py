@@ -5,10 +5,10 @@ Trains the model of ``examples/gpt.py`` under DP (stage 0), ZeRO stages 1-3 (jze
 given ``NamedSharding``s over 'data', XLA choosing the collectives), with the same
 initial parameters, data and ``optax.adamw``, and reports per device: model-state bytes
 (live arrays), compiled peak bytes, communication per step (optimized HLO, ring model)
-and step time, each beside DESIGN section 1's theory where there is one.
+and step time, each beside docs/design.md §1's theory where there is one.
 
     python scripts/bench.py                        # readable table
-    python scripts/bench.py --json out.json        # DESIGN section 3's JSON
+    python scripts/bench.py --json out.json        # docs/design.md §5's JSON
     python scripts/bench.py --quick                # small model, few steps (~1 min)
 
 Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Field notes:
@@ -42,9 +42,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero._estimate import theory_comm_bytes, theory_model_state_bytes
-from jzero._hlo import collectives, comm_bytes
-from jzero._report import report
+from jzero import report
+from jzero.accounting import collectives, comm_bytes, theory_comm_bytes, theory_model_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import data  # noqa: E402  (examples/data.py: bytes of a small public-domain corpus)
@@ -56,7 +55,7 @@ COMM_KEYS = ("all-reduce", "reduce-scatter", "all-gather", "other", "total")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path, help="write DESIGN section 3's JSON here")
+    ap.add_argument("--json", type=Path, help="write docs/design.md §5's JSON here")
     ap.add_argument("--quick", action="store_true", help="small model, few steps")
     ap.add_argument("--layers", type=int, help="transformer blocks (default 8; quick 2)")
     ap.add_argument("--d-model", type=int, help="width (default 256; quick 64)")
@@ -231,7 +230,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The runs as an aligned text table (bytes in KB = 1e3), then the DESIGN targets."""
+    """The runs as an aligned text table (bytes in KB = 1e3), then the design targets."""
     m = result["model"]
     head = (
         f"{m['name']}: {m['params']:,} params ({m['dtype']}), {result['devices']} "
@@ -258,7 +257,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def checks(result: dict[str, Any]) -> list[str]:
-    """DESIGN / issue targets, each as 'PASS'/'FAIL' with the measured numbers."""
+    """docs/design.md targets, each as 'PASS'/'FAIL' with the measured numbers."""
     runs = {r["name"]: r for r in result["runs"]}
     out = []
     ratio = lambda r, a, b: r[a] / r[b] if r[b] else math.nan

@@ -1,4 +1,4 @@
-"""scripts/bench.py on a tiny GPT: the JSON it writes has DESIGN section 3's schema."""
+"""scripts/bench.py on a tiny GPT: the JSON it writes has docs/design.md §5's schema."""
 
 import importlib.util
 import json

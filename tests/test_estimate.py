@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jzero import _estimate as E
-from jzero._cli import _measured, main
+import jzero.accounting.estimate as E
+from jzero.cli.main import _measured, main
 
 # ZeRO paper (arXiv:1910.02054) Table 1: GB (1e9 bytes) per device, K = 12, mixed precision.
 # Row: DP degree N, then P_os, P_os+g, P_os+g+p (stages 1, 2, 3) for Ψ = 7.5B, 128B, 1T.

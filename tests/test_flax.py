@@ -29,8 +29,6 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jzero
-import jzero.linen
-import jzero.nnx
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import train_classifier  # noqa: E402
@@ -39,7 +37,7 @@ D, LAYERS, CLASSES, BATCH, STEPS = 12, 2, 4, 32, 3
 # Small fp32 MLPs with BatchNorm: the sharded step sums per-device gradients in another
 # order than the vmapped reference, so results agree to fp32 rounding; 1e-5 leaves room for
 # that rounding to grow through BatchNorm's 1/sqrt(var) over 3 Adam steps (eps=1e-6, so
-# Adam does not amplify near-zero gradient noise, DESIGN.md "Traps").
+# Adam does not amplify near-zero gradient noise, docs/design.md, "Traps").
 RTOL, ATOL = 1e-5, 1e-6
 
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero._hlo import Collective, collectives, comm_bytes, summary_table
+from jzero.accounting import Collective, collectives, comm_bytes, summary_table
 
 N = 8
 

@@ -7,7 +7,7 @@ import pytest
 from _models import stacked_batch, stacked_loss, stacked_params
 
 import jzero
-from jzero._hlo import collectives
+from jzero.accounting import collectives
 
 LAYERS, WIDTH = 4, 64
 

@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero._hlo import collectives
-from jzero._layout import leaf_layout
+from jzero.accounting import collectives
+from jzero.core.layout import leaf_layout
+from jzero.core.placement import state_shardings
 
 N = 8
 
@@ -67,8 +68,8 @@ def test_shardings_after_init_and_after_a_step(stage):
     opt = jzero.ZeroOptimizer(optax.adam(1e-2), mesh, stage=stage, min_shard_size=1)
     state = opt.init(awkward_params())
     for _ in range(2):  # after init, then after a step
-        _check_tree(state.params, state.plan.params, stage, "params", mesh)
-        _check_tree(state.opt_state, state.plan.opt, stage, "opt", mesh)
+        _check_tree(state.params, state.plan.layouts, stage, "params", mesh)
+        _check_tree(state.opt_state, state.plan.opt_layouts, stage, "opt", mesh)
         assert state.step.sharding == NamedSharding(mesh, P())
         state, _ = opt.train_step(awkward_loss)(state, awkward_batches(1)[0])
     assert int(state.step) == 2
@@ -82,7 +83,7 @@ def test_compiled_step_shardings_and_gradient_shards(stage):
     opt = jzero.ZeroOptimizer(optax.adam(1e-2), mesh, stage=stage, min_shard_size=1)
     state = opt.init(awkward_params())
     compiled = opt.train_step(awkward_loss).lower(state, awkward_batches(1)[0]).compile()
-    want = jax.tree.leaves(opt.state_shardings(state.plan))
+    want = jax.tree.leaves(state_shardings(state.plan, opt.precision))
     (state_in, _), _ = compiled.input_shardings
     assert [s.spec for s in jax.tree.leaves(state_in)] == [s.spec for s in want]
     state_out, _ = compiled.output_shardings
@@ -92,7 +93,7 @@ def test_compiled_step_shardings_and_gradient_shards(stage):
         c.shape for c in collectives(compiled.as_text()) if c.kind == "reduce-scatter"
     )
     shard_shapes = []
-    for lay in state.plan.params:
+    for lay in state.plan.layouts:
         if lay.sharded:
             local = list(lay.padded)
             local[lay.dim] //= N

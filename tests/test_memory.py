@@ -10,7 +10,7 @@ import pytest
 from _models import reference
 
 import jzero
-from jzero._hlo import collectives
+from jzero.accounting import collectives
 
 N, L, D, B = 8, 8, 256, 64  # 8 layers of 256x256 (+ bias), global batch 64
 

@@ -20,8 +20,7 @@ from _models import reference
 from flax import nnx
 
 import jzero
-import jzero.nnx
-from jzero._hlo import collectives
+from jzero.accounting import collectives
 
 N, L, D_IN, D, H, D_OUT, B, STEPS = 8, 8, 16, 128, 256, 8, 64, 3
 # fp32 sums over devices in another order than the one-device reference: fp32 rounding.

@@ -18,7 +18,6 @@ from _models import (
 )
 
 import jzero
-from jzero._layout import unpad
 
 # fp32, 5 steps: parameters and optimizer state agree to float rounding. The distributed
 # step sums the gradient in a different order (per-device partial sums, then a psum or
@@ -85,7 +84,7 @@ def test_matches_single_device_optax(stage, name):
             leaf = leaf[k.key]
         assert leaf.shape == want.shape
         np.testing.assert_allclose(leaf, want, rtol=RTOL, atol=ATOL, err_msg=str(path))
-    got_opt = jax.tree.map(unpad, state.opt_state, state.plan.opt_tree())
+    got_opt = opt.full_state(state).opt_state
     assert jax.tree.structure(got_opt) == jax.tree.structure(ref_opt)
     for g, w in zip(jax.tree.leaves(got_opt), jax.tree.leaves(ref_opt)):
         assert g.shape == w.shape and g.dtype == w.dtype
@@ -119,7 +118,7 @@ def test_threshold_keeps_small_leaves_replicated():
     params, batches = awkward_params(), awkward_batches(STEPS)
     ref_params, _, _ = reference(optax.adam(1e-2), params, awkward_loss, batches)
     opt, state, _ = _run(3, optax.adam(1e-2), params, batches, min_shard_size=100)
-    sharded = {k for k, lay in zip(sorted(params), state.plan.params) if lay.sharded}
+    sharded = {k for k, lay in zip(sorted(params), state.plan.layouts) if lay.sharded}
     assert sharded == {"emb"}  # 520 elements; the rest have fewer than 100
     got = opt.full_params(state)
     for k in ref_params:
@@ -128,7 +127,7 @@ def test_threshold_keeps_small_leaves_replicated():
 
 def test_default_shards_every_leaf_but_scalars():
     state = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=3).init(awkward_params())
-    sharded = {k: lay.sharded for k, lay in zip(sorted(SHAPES), state.plan.params)}
+    sharded = {k: lay.sharded for k, lay in zip(sorted(SHAPES), state.plan.layouts)}
     assert sharded == {k: k != "s" for k in SHAPES}
 
 
@@ -144,7 +143,7 @@ def test_scanned_layers_with_a_width_that_does_not_divide(stage):
     ref_params, _, ref_losses = reference(tx(), params, stacked_loss, batches)
     opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage, min_shard_size=1)
     state = opt.init(params)
-    assert [lay.dim for lay in state.plan.params] == [1, 2]
+    assert [lay.dim for lay in state.plan.layouts] == [1, 2]
     step = opt.train_step(stacked_loss, manual_gather=True)
     losses = []
     for batch in batches:

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jzero
-from jzero._report import report
+from jzero import report
 
 N, L, D, B = 8, 4, 64, 16
 SCALAR_RING = 2 * 4 * (N - 1) / N  # an all-reduce of one f32 scalar, in the ring model
@@ -44,7 +44,7 @@ def _batch() -> dict[str, jax.Array]:
 def _make(model: str, stage: int, tx: optax.GradientTransformation):
     opt = jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=stage, min_shard_size=1)
     state = opt.init(_params(model))
-    assert all(lay.sharded for lay in state.plan.params) == (stage > 0)
+    assert all(lay.sharded for lay in state.plan.layouts) == (stage > 0)
     return report(opt.train_step(_loss_fn, manual_gather=True), state, _batch()), state
 
 
@@ -66,7 +66,7 @@ def test_comm_bytes_match_ring_volumes(stage, model):
     # The scalar all-reduces, counted rather than hidden: the loss mean over 'data', and,
     # from stage 1 on, one per sharded gradient leaf for the global norm in `metrics`.
     scalars = [c for c in rep.collectives if c.shape == ()]
-    n_scalars = 1 + (len(state.plan.params) if stage > 0 else 0)
+    n_scalars = 1 + (len(state.plan.layouts) if stage > 0 else 0)
     assert [(c.kind, c.dtype, c.trip_count) for c in scalars] == [("all-reduce", "f32", 1)] * (
         n_scalars
     )
@@ -90,12 +90,12 @@ def test_model_state_bytes_match_plan(stage):
     def held(lay, sharded: bool) -> int:
         return _nbytes(lay.padded) // N if sharded and lay.sharded else _nbytes(lay.shape)
 
-    assert rep.params_bytes == sum(held(lay, stage == 3) for lay in plan.params)
-    assert rep.grads_bytes == sum(held(lay, stage >= 2) for lay in plan.params)
-    assert rep.opt_bytes == sum(held(lay, stage >= 1) for lay in plan.opt)
+    assert rep.params_bytes == sum(held(lay, stage == 3) for lay in plan.layouts)
+    assert rep.grads_bytes == sum(held(lay, stage >= 2) for lay in plan.layouts)
+    assert rep.opt_bytes == sum(held(lay, stage >= 1) for lay in plan.opt_layouts)
     assert rep.model_state_bytes == rep.params_bytes + rep.grads_bytes + rep.opt_bytes
     # The live arrays agree with the plan's per-shard shapes.
-    for x, lay in zip(jax.tree.leaves(state.params), plan.params):
+    for x, lay in zip(jax.tree.leaves(state.params), plan.layouts):
         local = list(lay.padded)
         if stage == 3:
             local[lay.dim] //= N

@@ -24,7 +24,7 @@ STEPS = 3
 # fp32 transformer (softmax, LayerNorm, GELU): the sharded run sums the batch and the
 # gathered/reduce-scattered gradients in another order than one device does, so results
 # agree to float32 rounding, amplified a little over 3 Adam steps. eps=1e-6 keeps Adam from
-# turning rounding noise in near-zero gradients into +-lr updates (DESIGN.md, "Traps").
+# turning rounding noise in near-zero gradients into +-lr updates (docs/design.md, "Traps").
 RTOL, ATOL = 1e-5, 1e-6
 
 

@@ -30,11 +30,15 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from ._collectives import Sharded, gather
-from ._mesh import fit_specs
-from ._optimizer import Stage, ZeroOptimizer
-from ._remat import remat_layer as _remat_layer
-from ._state import ZeroState
+from ..core.collectives import Sharded, gather
+from ..core.layout import DEFAULT_MIN_SHARD_SIZE
+from ..core.mesh import fit_specs
+from ..core.optimizer import ZeroOptimizer
+from ..core.plan import Stage
+from ..core.precision import Precision
+from ..core.remat import remat_layer as _remat_layer
+from ..core.state import ZeroState
+from .step import AdapterStep
 
 
 def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
@@ -146,18 +150,31 @@ class TrainState:
         tx: optax.GradientTransformation,
         mesh: Mesh,
         stage: Stage,
-        min_shard_size: int = 0,
+        param_specs: Any = None,
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        precision: Precision | None = None,
     ) -> TrainState:
-        """Splits ``model`` and partitions its ``nnx.Param`` state per stage.
+        """Splits ``model`` and partitions its ``nnx.Param`` state per stage; ``tx``,
+        ``mesh``, ``stage``, ``min_shard_size`` and ``precision`` as for
+        :class:`jzero.ZeroOptimizer`.
 
-        Partition specs come from the Params' ``nnx.with_partitioning`` metadata; stacked
-        layers (``nnx.vmap``) need ``transform_metadata={nnx.PARTITION_NAME: None}`` so
-        that their spec covers the stacked axis.
+        ``param_specs`` (over the mesh's other axes, shaped like ``nnx.to_pure_dict`` of the
+        Params) default to the Params' ``nnx.with_partitioning`` metadata; stacked layers
+        (``nnx.vmap``) need ``transform_metadata={nnx.PARTITION_NAME: None}`` so that their
+        spec covers the stacked axis.
         """
         graphdef, params, rest = _split(model)
         pure = nnx.to_pure_dict(params)
-        specs = fit_specs(pure, nnx.to_pure_dict(nnx.get_partition_spec(params)), mesh)
-        opt = ZeroOptimizer(tx, mesh, stage=stage, param_specs=specs, min_shard_size=min_shard_size)
+        if param_specs is None:
+            param_specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
+        opt = ZeroOptimizer(
+            tx,
+            mesh,
+            stage=stage,
+            param_specs=fit_specs(pure, param_specs, mesh),
+            min_shard_size=min_shard_size,
+            precision=precision,
+        )
         impls = tuple(
             jax.random.key_impl(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else None
             for x in jax.tree.leaves(rest)
@@ -181,12 +198,15 @@ class TrainState:
 
     def train_step(
         self,
-        loss_fn: Callable[[nnx.Module, Any], jax.Array],
+        loss_fn: Callable[[nnx.Module, Any], Any],
         *,
         manual_gather: bool = False,
         grad_accum: int = 1,
-    ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-        """A jitted ``step(state, batch) -> (state, metrics)``; ``loss_fn(model, batch) -> loss``.
+        has_aux: bool = False,
+        donate: bool = True,
+    ) -> AdapterStep:
+        """A jitted ``step(state, batch) -> (state, metrics)``; ``loss_fn(model, batch) -> loss``
+        (with ``has_aux``: ``(loss, aux)``, aux in ``metrics['aux']``).
 
         ``loss_fn`` gets the module merged from the (gathered) parameters and the other
         state; whatever it changes in that state (e.g. BatchNorm running statistics in
@@ -197,20 +217,21 @@ class TrainState:
         layers through :func:`remat_layer` (stage 3 then holds about one layer's gathered
         parameters at a time), other submodules through :func:`gathered`. Both leave plain
         arrays as they are (stages 0/1, or the model outside jzero), so one ``loss_fn``
-        serves every stage. ``grad_accum`` as for ``ZeroOptimizer.train_step``.
+        serves every stage. ``grad_accum`` and ``donate`` as for
+        ``ZeroOptimizer.train_step``.
         """
 
-        def inner(params: Any, model_state: Any, batch: Any) -> tuple[jax.Array, Any]:
+        def inner(params: Any, model_state: Any, batch: Any) -> tuple[Any, Any]:
             model = self._merge(params, model_state)
-            loss = loss_fn(model, batch)
-            return loss, _keys_out(nnx.to_pure_dict(_split(model)[2]))
+            out = loss_fn(model, batch)
+            return out, _keys_out(nnx.to_pure_dict(_split(model)[2]))
 
         core = self.opt.train_step(
-            inner, with_model_state=True, manual_gather=manual_gather, grad_accum=grad_accum
+            inner,
+            with_model_state=True,
+            manual_gather=manual_gather,
+            grad_accum=grad_accum,
+            has_aux=has_aux,
+            donate=donate,
         )
-
-        def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-            zero, metrics = core(state.zero, batch)
-            return state.replace(zero=zero), metrics
-
-        return jax.jit(step, donate_argnums=0)
+        return AdapterStep(core)

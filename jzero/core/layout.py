@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ._mesh import DATA
+from .mesh import DATA
 
 DEFAULT_MIN_SHARD_SIZE = 0
 """By default every leaf but scalars is sharded, as in FSDP2. Raising the threshold keeps
@@ -44,6 +44,11 @@ class LeafLayout:
     @property
     def pad(self) -> int:
         return 0 if self.dim is None else self.padded[self.dim] - self.shape[self.dim]
+
+    def axis(self, x: Any) -> int:
+        """The shard dimension of ``x``: this leaf, or a stack of it (``lax.scan`` over
+        layers adds leading axes), counted from the end so leading axes do not shift it."""
+        return x.ndim - len(self.shape) + self.dim
 
     def data_spec(self) -> P:
         """The spec restricted to the ``data`` axis (what ``shard_map`` sees)."""
@@ -104,54 +109,19 @@ def leaf_layout(
 
 
 def pad(x: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Zero-pads ``x`` (true shape) to the stored shape."""
+    """Zero-pads ``x`` (true shape, possibly with leading stacked axes) to the stored shape."""
     if not layout.pad:
         return x
     widths = [(0, 0)] * x.ndim
-    widths[layout.dim] = (0, layout.pad)
+    widths[layout.axis(x)] = (0, layout.pad)
     return jnp.pad(x, widths)
 
 
 def unpad(x: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Slices the padding off ``x`` (stored shape, or a leading-stacked version of it)."""
+    """Slices the padding off ``x`` (stored shape, possibly with leading stacked axes)."""
     if not layout.pad:
         return x
-    axis = x.ndim - len(layout.shape) + layout.dim
-    return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=axis)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Per-leaf layouts of the parameters and the optimizer state; static and hashable."""
-
-    stage: int
-    data_size: int
-    params_def: Any  # PyTreeDef of the parameters
-    params: tuple[LeafLayout, ...]
-    opt_def: Any  # PyTreeDef of the Optax state
-    opt: tuple[LeafLayout, ...]
-
-    def params_tree(self) -> Any:
-        """The parameter layouts as a pytree shaped like the parameters."""
-        return jax.tree.unflatten(self.params_def, self.params)
-
-    def opt_tree(self) -> Any:
-        return jax.tree.unflatten(self.opt_def, self.opt)
-
-    def describe(self) -> str:
-        """A readable table: one row per parameter leaf with its layout."""
-        paths = [
-            jax.tree_util.keystr(k)
-            for k, _ in jax.tree_util.tree_flatten_with_path(
-                self.params_tree(), is_leaf=lambda x: isinstance(x, LeafLayout)
-            )[0]
-        ]
-        rows = [("leaf", "shape", "shard dim", "stored", "pad", "spec")]
-        for path, lay in zip(paths, self.params):
-            dim = "-" if lay.dim is None else str(lay.dim)
-            rows.append((path, str(lay.shape), dim, str(lay.padded), str(lay.pad), str(lay.spec)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=layout.axis(x))
 
 
 def is_layout(x: Any) -> bool:

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ._estimate import (
+from ..accounting.estimate import (
     DEFAULT_K,
     STAGE_NAMES,
     STAGES,
@@ -162,7 +162,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _measured(path: str) -> dict[int, list[tuple[int, float]]]:
-    """{stage: [(N, bytes)]} from a benchmark JSON (DESIGN section 3); jzero runs only."""
+    """{stage: [(N, bytes)]} from a benchmark JSON (docs/design.md §5); jzero runs only."""
     try:
         with open(path) as f:
             bench = json.load(f)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ._layout import LeafLayout
-from ._mesh import DATA
+from .layout import LeafLayout, pad
+from .mesh import DATA
 
 GATHERED = "jzero_gathered"
 """``checkpoint_name`` of every gathered parameter, so remat policies can refuse to save
@@ -64,14 +64,9 @@ def after(tree: Any, dep: Any) -> Any:
     return jax.tree.map(tie, tree)
 
 
-def _axis(x: jax.Array, layout: LeafLayout) -> int:
-    # Counted so that leading stacked axes (lax.scan over layers) do not shift it.
-    return x.ndim - len(layout.shape) + layout.dim
-
-
 def all_gather(shard: jax.Array, layout: LeafLayout) -> jax.Array:
     """Local shard -> full parameter of the true shape (padding dropped)."""
-    axis = _axis(shard, layout)
+    axis = layout.axis(shard)
     full = jax.lax.all_gather(shard, DATA, axis=axis, tiled=True)
     if layout.pad:  # a negative lax.pad, not a slice, so that regather_policy can spot it
         config = [(0, 0, 0)] * full.ndim
@@ -82,35 +77,28 @@ def all_gather(shard: jax.Array, layout: LeafLayout) -> jax.Array:
 
 def reduce_scatter(grad: jax.Array, layout: LeafLayout) -> jax.Array:
     """Local full gradient -> this device's shard of the sum over devices."""
-    padded = pad_local(grad, layout)
-    return jax.lax.psum_scatter(padded, DATA, scatter_dimension=_axis(grad, layout), tiled=True)
+    return jax.lax.psum_scatter(
+        pad(grad, layout), DATA, scatter_dimension=layout.axis(grad), tiled=True
+    )
 
 
-def pad_local(x: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Like :func:`pad` but for a leaf that may carry leading stacked axes."""
-    if not layout.pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[_axis(x, layout)] = (0, layout.pad)
-    return jnp.pad(x, widths)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _use(sink, shard, full, layout: LeafLayout, reduce_dtype: Any) -> jax.Array:
-    """Stage 3: all-gather ``shard``; stage 2: use the local ``full`` copy. Either way the
-    backward pass reduce-scatters the cotangent, in ``reduce_dtype``, into ``sink``."""
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _use(sink, value, layout: LeafLayout, gathers: bool, reduce_dtype: Any) -> jax.Array:
+    """``gathers`` (stage 3): all-gather the shard ``value``; otherwise (stage 2) use the
+    local full copy ``value``. Either way the backward pass reduce-scatters the cotangent,
+    in ``reduce_dtype``, into ``sink``."""
     del sink
-    if full is None:
-        return all_gather(shard, layout)
-    return jax.lax.pcast(full, DATA, to="varying")
+    if gathers:
+        return all_gather(value, layout)
+    return jax.lax.pcast(value, DATA, to="varying")
 
 
-def _use_fwd(sink, shard, full, layout, reduce_dtype):
-    return _use(sink, shard, full, layout, reduce_dtype), None
+def _use_fwd(sink, value, layout, gathers, reduce_dtype):
+    return _use(sink, value, layout, gathers, reduce_dtype), None
 
 
-def _use_bwd(layout, reduce_dtype, _, ct):
-    return reduce_scatter(ct.astype(reduce_dtype), layout), None, None
+def _use_bwd(layout, gathers, reduce_dtype, _, ct):
+    return reduce_scatter(ct.astype(reduce_dtype), layout), None
 
 
 _use.defvjp(_use_fwd, _use_bwd)
@@ -124,26 +112,29 @@ class Sharded:
         sink: zeros of this device's shard shape, in the gradient-reduction dtype; the
             step differentiates with respect to it, so its gradient is the
             reduce-scattered (summed) gradient shard.
-        shard: stage 3: this device's shard of the stored parameter; stage 2: None.
-        full: stage 2: the replicated full parameter; stage 3: None.
+        value: with ``gathers`` (stage 3), this device's shard of the stored parameter;
+            otherwise (stage 2) the replicated full parameter.
         layout: the leaf's :class:`LeafLayout` (static).
+        gathers: whether :meth:`gather` all-gathers (the parameters are partitioned, stage
+            3) or uses the local full copy (stage 2); static, from the plan.
     """
 
-    def __init__(self, sink, shard, full, layout: LeafLayout):
-        self.sink, self.shard, self.full, self.layout = sink, shard, full, layout
+    def __init__(self, sink, value, layout: LeafLayout, *, gathers: bool):
+        self.sink, self.value, self.layout, self.gathers = sink, value, layout, gathers
 
     def tree_flatten(self):
-        return (self.sink, self.shard, self.full), self.layout
+        return (self.sink, self.value), (self.layout, self.gathers)
 
     @classmethod
-    def tree_unflatten(cls, layout, children):
-        return cls(*children, layout)
+    def tree_unflatten(cls, aux, children):
+        layout, gathers = aux
+        return cls(*children, layout, gathers=gathers)
 
     def gather(self) -> jax.Array:
-        return _use(self.sink, self.shard, self.full, self.layout, self.sink.dtype)
+        return _use(self.sink, self.value, self.layout, self.gathers, self.sink.dtype)
 
     def __repr__(self) -> str:
-        return f"Sharded(shape={self.layout.shape}, dim={self.layout.dim})"
+        return f"Sharded(shape={self.layout.shape}, dim={self.layout.dim}, gathers={self.gathers})"
 
 
 def gather(tree: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from flax import struct
 
-from ._layout import Plan
+from .plan import Plan
 
 
 @struct.dataclass
@@ -27,7 +27,7 @@ class ZeroState:
         loss_scale: dynamic loss-scaling state (:class:`LossScale`), or None.
         model_state: non-trainable model state (e.g. Flax ``batch_stats``), replicated over
             'data' and kept identical on every device; None when the model has none.
-        plan: static per-leaf layouts of ``params`` and ``opt_state`` (not a pytree node).
+        plan: the static :class:`Plan`: where every leaf lives (not a pytree node).
     """
 
     step: jax.Array

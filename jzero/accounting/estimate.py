@@ -108,7 +108,7 @@ def theory_model_state_bytes(
     grad_bytes: float,
     opt_bytes: float,
 ) -> float:
-    """Model-state bytes per device of DESIGN section 1, for any bytes per parameter.
+    """Model-state bytes per device of docs/design.md §1, for any bytes per parameter.
 
     Stage s shards the optimizer state (s >= 1), gradients (s >= 2) and parameters (s = 3)
     over the N devices; the rest is replicated.
@@ -129,7 +129,7 @@ def theory_model_state_bytes(
 
 
 def theory_comm_bytes(*, stage: Stage, param_bytes_S: float, devices: int) -> float:
-    """Bytes each device sends per step in the ring model (DESIGN section 1).
+    """Bytes each device sends per step in the ring model (docs/design.md §1).
 
     Stages 0-2 move 2·S·(N−1)/N (an all-reduce, or a reduce-scatter plus an all-gather);
     stage 3 moves 3·S·(N−1)/N (params gathered in forward and again in backward, grads

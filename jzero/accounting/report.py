@@ -1,7 +1,7 @@
 """What a compiled training step holds and sends per device, measured beside the theory.
 
 :func:`report` reads the live state's shards, the compiled step's memory analysis and the
-collectives of its optimized HLO, and sets each beside DESIGN section 1's formulas.
+collectives of its optimized HLO, and sets each beside docs/design.md §1's formulas.
 
 Examples:
     >>> step = opt.train_step(loss_fn, manual_gather=True)  # doctest: +SKIP
@@ -17,10 +17,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._estimate import theory_comm_bytes, theory_model_state_bytes
-from ._hlo import Collective, collectives, comm_bytes, summary_table
-from ._layout import Plan
-from ._state import ZeroState
+from ..core.plan import Plan
+from ..core.state import ZeroState
+from .estimate import theory_comm_bytes, theory_model_state_bytes
+from .hlo import Collective, collectives, comm_bytes, summary_table
 
 _MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 CPU_NOTE = (
@@ -47,7 +47,7 @@ class Report:
             leaf plus the full gradient of each replicated leaf.
         opt_bytes: optimizer state held at rest, fp32 master weights included (live
             arrays, one addressable shard each).
-        theory_model_state_bytes: DESIGN section 1 with Ψ and the actual bytes per
+        theory_model_state_bytes: docs/design.md §1 with Ψ and the actual bytes per
             parameter (optimizer state: a single-device copy's bytes / Ψ).
         peak_bytes: compiled peak per device, ``argument + output + temp - alias`` from
             ``compiled.memory_analysis()``; -1 when the backend gives no analysis.
@@ -133,7 +133,7 @@ def _shard_bytes(tree: Any) -> int:
 
 def _grad_bytes(plan: Plan, itemsizes: list[int]) -> int:
     total = 0
-    for lay, size in zip(plan.params, itemsizes):
+    for lay, size in zip(plan.layouts, itemsizes):
         if plan.stage >= 2 and lay.sharded:
             total += math.prod(lay.padded) // plan.data_size * size
         else:
@@ -168,10 +168,10 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     colls = tuple(collectives(compiled.as_text()))
 
     itemsizes = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params)]
-    num_params = sum(math.prod(lay.shape) for lay in plan.params)
-    param_total = sum(math.prod(lay.shape) * s for lay, s in zip(plan.params, itemsizes))
+    num_params = sum(math.prod(lay.shape) for lay in plan.layouts)
+    param_total = sum(math.prod(lay.shape) * s for lay, s in zip(plan.layouts, itemsizes))
     opt_sizes = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
-    opt_total = sum(math.prod(lay.shape) * s for lay, s in zip(plan.opt, opt_sizes))
+    opt_total = sum(math.prod(lay.shape) * s for lay, s in zip(plan.opt_layouts, opt_sizes))
     if state.master is not None:  # fp32 master weights count as optimizer state (K)
         opt_total += 4 * num_params
     per_param = param_total / max(num_params, 1)

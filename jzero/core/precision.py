@@ -72,11 +72,17 @@ class Precision:
         return self.param_dtype != np.dtype(jnp.float32)
 
     def cast(self, tree: Any, dtype: Any = None) -> Any:
-        """Floating leaves of ``tree`` to ``dtype`` (default ``param_dtype``)."""
+        """Floating leaves of ``tree`` (arrays or shapes) to ``dtype`` (default ``param_dtype``)."""
         dtype = self.param_dtype if dtype is None else dtype
-        return jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-        )
+
+        def cast(x):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+            return x.astype(dtype)
+
+        return jax.tree.map(cast, tree)
 
 
 class LossScale(NamedTuple):

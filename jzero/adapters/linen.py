@@ -15,6 +15,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,9 +25,13 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from ._mesh import fit_specs
-from ._optimizer import Stage, ZeroOptimizer
-from ._state import ZeroState
+from ..core.layout import DEFAULT_MIN_SHARD_SIZE
+from ..core.mesh import fit_specs
+from ..core.optimizer import ZeroOptimizer
+from ..core.plan import Stage
+from ..core.precision import Precision
+from ..core.state import ZeroState
+from .step import AdapterStep
 
 
 @struct.dataclass
@@ -41,9 +46,13 @@ class TrainState:
     opt: ZeroOptimizer = struct.field(pytree_node=False)
 
     step = property(lambda self: self.zero.step)
-    params = property(lambda self: self.opt.full_params(self.zero), doc="Full params.")
     model_state = property(lambda self: self.zero.model_state, doc="Other collections.")
     variables = property(lambda self: {"params": self.params, **self.model_state})
+
+    @functools.cached_property
+    def params(self) -> Any:
+        """The full parameters (true shapes), gathered once per state and then kept."""
+        return self.opt.full_params(self.zero)
 
     @classmethod
     def create(
@@ -56,10 +65,11 @@ class TrainState:
         variables: Mapping[str, Any] | None = None,
         init_fn: Callable[[], Mapping[str, Any]] | None = None,
         param_specs: Any = None,
-        min_shard_size: int = 0,
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        precision: Precision | None = None,
     ) -> TrainState:
         """Partitions ``variables['params']`` per stage; ``tx``, ``mesh``, ``stage``,
-        ``min_shard_size`` as for :class:`jzero.ZeroOptimizer`.
+        ``min_shard_size`` and ``precision`` as for :class:`jzero.ZeroOptimizer`.
 
         ``variables`` is ``model.init(...)``'s output; or ``init_fn`` returns it (e.g.
         ``functools.partial(model.init, key, x)``) and runs under ``jit`` with sharded
@@ -78,8 +88,14 @@ class TrainState:
             )
         specs = nn.get_partition_spec(abstract["params"]) if param_specs is None else param_specs
         param_specs = fit_specs(nn.unbox(abstract["params"]), specs, mesh)
-        kwargs = dict(stage=stage, param_specs=param_specs, min_shard_size=min_shard_size)
-        opt = ZeroOptimizer(tx, mesh, **kwargs)
+        opt = ZeroOptimizer(
+            tx,
+            mesh,
+            stage=stage,
+            param_specs=param_specs,
+            min_shard_size=min_shard_size,
+            precision=precision,
+        )
         # opt.init copies model_state, so the donated step never deletes the caller's arrays.
         rest = lambda v: nn.unbox({k: c for k, c in v.items() if k != "params"})
         if variables is None:
@@ -92,27 +108,34 @@ class TrainState:
         return cls(zero=zero, apply_fn=apply_fn, opt=opt)
 
     def train_step(
-        self, loss_fn: Callable[..., Any], *, manual_gather: bool = False, grad_accum: int = 1
-    ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-        """A ``step(state, batch) -> (state, metrics)``: forward, backward and update.
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        manual_gather: bool = False,
+        grad_accum: int = 1,
+        has_aux: bool = False,
+        donate: bool = True,
+    ) -> AdapterStep:
+        """A ``step(state, batch) -> (state, metrics)``: forward, backward and update, jitted.
 
         ``loss_fn(params, batch) -> loss`` when the model has only ``params``; otherwise
         ``loss_fn(params, model_state, batch) -> (loss, updates)``: ``model_state`` is
         ``{'batch_stats': ...}``, ``updates`` what ``apply(..., mutable=[...])`` returns
-        (collections it leaves out are kept). Options as for ``ZeroOptimizer.train_step``.
+        (collections it leaves out are kept). With ``has_aux`` the loss part is
+        ``(loss, aux)``. Options as for ``ZeroOptimizer.train_step``.
         """
         with_state = bool(self.model_state)
 
         def inner(params, model_state, batch):
-            loss, updates = loss_fn(params, model_state, batch)
-            return loss, {**model_state, **updates}
+            out, updates = loss_fn(params, model_state, batch)
+            return out, {**model_state, **updates}
 
-        fn = inner if with_state else loss_fn
-        kwargs = dict(manual_gather=manual_gather, grad_accum=grad_accum)
-        core = self.opt.train_step(fn, with_model_state=with_state, **kwargs)
-
-        def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-            zero, metrics = core(state.zero, batch)
-            return state.replace(zero=zero), metrics
-
-        return step
+        core = self.opt.train_step(
+            inner if with_state else loss_fn,
+            with_model_state=with_state,
+            manual_gather=manual_gather,
+            grad_accum=grad_accum,
+            has_aux=has_aux,
+            donate=donate,
+        )
+        return AdapterStep(core)

@@ -19,12 +19,13 @@ from typing import Any
 
 import jax
 
-from ._collectives import Sharded, after, gather
+from .collectives import Sharded, after, gather
 
 
-def _is_stage3(params: Any) -> bool:
+def _gathers(params: Any) -> bool:
+    """Whether ``params`` holds handles of partitioned (stage-3) parameters."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Sharded))
-    return any(isinstance(p, Sharded) and p.full is None for p in leaves)
+    return any(isinstance(p, Sharded) and p.gathers for p in leaves)
 
 
 def remat_layer(
@@ -71,6 +72,6 @@ def remat_layer(
     checkpointed = jax.checkpoint(plain, policy=policy)
 
     def apply(params, *args):
-        return layer(params, *args) if _is_stage3(params) else checkpointed(params, *args)
+        return layer(params, *args) if _gathers(params) else checkpointed(params, *args)
 
     return apply

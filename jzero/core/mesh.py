@@ -18,7 +18,7 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A one-axis mesh over ``devices`` (default: all devices) named ``'data'``.
 
     The axis is ``AxisType.Auto`` so that the Optax update, which runs in the global view,
-    may contract over sharded dimensions (see DESIGN.md, "Traps").
+    may contract over sharded dimensions (see docs/design.md, "Traps").
 
     Examples:
         >>> mesh = jzero.data_mesh()

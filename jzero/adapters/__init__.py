@@ -1,0 +1,1 @@
+"""The Flax adapters: ``jzero.linen`` (Linen modules) and ``jzero.nnx`` (NNX modules)."""

@@ -1,0 +1,26 @@
+"""The step both Flax adapters return: the core step on ``state.zero``, re-wrapped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.step import Metrics, TrainStep
+
+
+class AdapterStep:
+    """``step(state, batch) -> (state, metrics)`` for an adapter ``TrainState``.
+
+    It calls the jitted core step on ``state.zero`` (so a donated, consumed state is refused
+    the same way) and returns ``state`` with the new ``zero``. ``lower(state, batch)`` gives
+    the core program's lowering, e.g. for ``jzero.report(step, state.zero, batch)``.
+    """
+
+    def __init__(self, core: TrainStep):
+        self.core = core
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Metrics]:
+        zero, metrics = self.core(state.zero, batch)
+        return state.replace(zero=zero), metrics
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        return self.core.lower(state.zero, batch)

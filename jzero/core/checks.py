@@ -1,0 +1,201 @@
+"""Input checks: every bad input gets an error that names the leaf, the problem and the fix.
+
+They run before anything is placed or traced (or at trace time, on shapes only), so a
+refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .precision import Precision
+from .state import ZeroState
+
+_ARRAY = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
+def check_leaves(tree: Any, what: str, *, allow_empty: bool = True) -> None:
+    """Every leaf of ``tree`` is a real (non-complex) array or shape."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not leaves and not allow_empty:
+        raise ValueError(
+            f"{what} is empty (no array leaves), so there is nothing to train; pass the "
+            "model's parameters, e.g. model.init(key, x)['params']."
+        )
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        if not isinstance(leaf, _ARRAY):
+            raise TypeError(
+                f"{what} leaf {name} is a {type(leaf).__name__}, not an array; jzero shards "
+                "arrays only. Convert it with jnp.asarray(...) or keep it out of the parameter "
+                "tree (e.g. as a static config)."
+            )
+        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+            raise TypeError(
+                f"{what} leaf {name} is {leaf.dtype}; jzero trains real parameters only. Store "
+                "the real and imaginary parts as two real leaves and combine them in the loss "
+                "(jax.lax.complex(re, im))."
+            )
+
+
+def check_same_tree(given: Any, expected: Any) -> None:
+    """``given`` (params or their shapes) matches what ``init_fn`` returns."""
+    gd, ed = jax.tree.structure(given), jax.tree.structure(expected)
+    if gd != ed:
+        raise ValueError(
+            f"params tree {gd} does not match the tree init_fn returns {ed}; pass matching "
+            "shapes, or only init_fn=."
+        )
+    for (path, g), e in zip(
+        jax.tree_util.tree_flatten_with_path(given)[0], jax.tree.leaves(expected)
+    ):
+        if tuple(g.shape) != tuple(e.shape) or g.dtype != e.dtype:
+            raise ValueError(
+                f"params leaf {jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but "
+                f"init_fn returns {e.dtype}{list(e.shape)}; make them agree."
+            )
+
+
+def check_state(
+    state: Any, *, stage: int, mesh: Any, mixed: bool, tx: optax.GradientTransformation | None
+) -> None:
+    """``state`` was made by an optimizer of this stage, mesh, precision and (if given)
+    Optax transformation, and its trees still match its plan."""
+    if not isinstance(state, ZeroState):
+        raise TypeError(f"expected a jzero.ZeroState from opt.init(...), got {type(state)}.")
+    plan = state.plan
+    if plan.stage != stage or plan.mesh != mesh:
+        raise ValueError(
+            f"state was made for stage {plan.stage} on {plan.data_size} devices "
+            f"({dict(plan.mesh.shape)}), but this optimizer is stage {stage} on "
+            f"{mesh.shape['data']} ({dict(mesh.shape)}); create the state with this "
+            "optimizer's init()."
+        )
+    if (plan.master is not None) != mixed:
+        raise ValueError(
+            "state was made with a different precision policy than this optimizer's "
+            f"(fp32 master weights: {plan.master is not None}, expected {mixed}); create the "
+            "state with this optimizer's init()."
+        )
+    if jax.tree.structure(state.params) != plan.params_def:
+        raise ValueError(
+            "state.params does not match the parameter tree given to init() "
+            f"(got {jax.tree.structure(state.params)}, expected {plan.params_def}); "
+            "re-run opt.init(params) after changing the model."
+        )
+    if tx is None:
+        return
+    shapes = [jax.ShapeDtypeStruct(s.layout.shape, jnp.float32) for s in plan.params]
+    expected = jax.tree.structure(jax.eval_shape(tx.init, plan.params_def.unflatten(shapes)))
+    if expected != plan.opt_def:
+        raise ValueError(
+            "state.opt_state was made by a different Optax transformation than this "
+            f"optimizer's (its state is {plan.opt_def}, this optimizer's tx.init gives "
+            f"{expected}); create the state with this optimizer's init(), or build the "
+            "optimizer with the transformation the state came from."
+        )
+
+
+def check_live(state: ZeroState) -> None:
+    """Refuses a state whose buffers were donated to (consumed by) an earlier step."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        if concrete and x.is_deleted():
+            raise ValueError(
+                f"state leaf {jax.tree_util.keystr(path)} was deleted: this state was donated "
+                "to (consumed by) an earlier train_step, which reuses its buffers for the "
+                "state it returns. Use the returned state (state, metrics = step(state, "
+                "batch)), or build the step with donate=False to keep the old one."
+            )
+
+
+def check_batch(batch: Any, n: int, grad_accum: int) -> None:
+    """Every batch leaf has the same leading (batch) dimension, splitting evenly over the
+    ``n`` devices and their ``grad_accum`` micro-batches."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError("batch is empty; pass a pytree of arrays with a leading batch axis.")
+    rows = {}
+    for path, x in leaves:
+        shape = getattr(x, "shape", None)
+        name = jax.tree_util.keystr(path)
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"batch leaf {name} has shape {shape}; its leading (batch) dimension must be "
+                f"divisible by the data-axis size {n}. Use a batch size that is a multiple of "
+                f"{n}."
+            )
+        if shape[0] % (n * grad_accum):
+            raise ValueError(
+                f"batch leaf {name} has {shape[0]} rows, which do not split into {grad_accum} "
+                f"micro-batches on each of {n} devices; use a batch size that is a multiple of "
+                f"{n * grad_accum} or change grad_accum."
+            )
+        rows.setdefault(shape[0], name)
+    if len(rows) > 1:
+        found = ", ".join(f"{name}: {r}" for r, name in rows.items())
+        raise ValueError(
+            f"batch leaves have different leading (batch) dimensions ({found}); each device "
+            "takes its slice of every leaf's rows, so all leaves need the same number of rows. "
+            "Put per-step constants outside the batch (close over them in loss_fn)."
+        )
+
+
+def check_loss(out: Any, *, has_aux: bool, with_model_state: bool) -> tuple[Any, Any]:
+    """Splits ``loss_fn``'s output into (loss, rest) and checks the loss is a float scalar.
+
+    ``rest`` is the aux value (``has_aux``) or the new model state (``with_model_state``).
+    """
+    signature = "loss_fn(params, model_state, batch)" if with_model_state else "loss_fn"
+    wants_pair = has_aux or with_model_state
+    what = "(loss, aux)" if has_aux else "(loss, new_model_state)"
+    if wants_pair:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise TypeError(
+                f"{signature} must return a pair {what} here, but returned "
+                f"{_describe(out)}. "
+                + (
+                    "With with_model_state=True return (loss, model_state), the state "
+                    "unchanged if the model has nothing to update."
+                    if with_model_state
+                    else "With has_aux=True return (loss, aux)."
+                )
+            )
+        loss, rest = out
+    else:
+        if isinstance(out, tuple | list):
+            raise TypeError(
+                f"loss_fn returned a {type(out).__name__} of {len(out)}, not a scalar loss; if "
+                "it returns (loss, aux), build the step with has_aux=True (aux comes back in "
+                "metrics['aux'])."
+            )
+        loss, rest = out, None
+    shape = getattr(loss, "shape", None)
+    dtype = getattr(loss, "dtype", None)
+    if shape is None or shape != () or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"the loss must be a floating-point scalar, got {_describe(loss)}; "
+            + (
+                "an integer loss has zero gradients everywhere: compute it in floating point."
+                if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact)
+                else "reduce it to one number (e.g. jnp.mean) over the device's batch."
+            )
+        )
+    return loss, rest
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"a {type(x).__name__}"
+
+
+def check_precision(precision: Any) -> Precision:
+    if not isinstance(precision, Precision):
+        raise TypeError(f"precision must be a jzero.Precision, got {type(precision)}.")
+    return precision

@@ -1,0 +1,212 @@
+"""``ZeroOptimizer``: the front users hold -- configuration, and four calls into the core.
+
+It validates the configuration, makes the :class:`Plan` for a parameter tree, and hands
+``(tx, plan, precision, loss_fn)`` to placement and the step; nothing there calls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, get_args
+
+import jax
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .checks import check_leaves, check_precision, check_same_tree, check_state
+from .layout import DEFAULT_MIN_SHARD_SIZE
+from .mesh import check_mesh, fit_specs
+from .placement import full_params, full_state, init_program
+from .plan import Plan, Stage, make_plan
+from .precision import Precision
+from .state import ZeroState
+from .step import TrainStep, make_train_step
+
+
+class ZeroOptimizer:
+    """ZeRO stage 0-3 around any ``optax.GradientTransformation``.
+
+    Args:
+        tx: the Optax transformation, e.g. ``optax.adamw(3e-4)``.
+        mesh: a mesh with a ``'data'`` axis (other axes are left to the user's specs).
+        stage: 0 (plain data parallel), 1 (optimizer state partitioned), 2 (+ gradients),
+            3 (+ parameters).
+        min_shard_size: leaves with fewer elements, and scalars, stay replicated (default 0:
+            every non-scalar leaf is sharded).
+        param_specs: optional pytree of ``PartitionSpec`` over the mesh's *other* axes, shaped
+            like the parameters (a prefix is fine); jzero adds ``'data'`` to each.
+        precision: a :class:`Precision` policy (default: everything float32).
+
+    Examples:
+        >>> opt = jzero.ZeroOptimizer(optax.adamw(3e-4), jzero.data_mesh(), stage=3)
+        >>> state = opt.init(params)
+        >>> train_step = opt.train_step(loss_fn)
+        >>> state, metrics = train_step(state, batch)
+    """
+
+    def __init__(
+        self,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        *,
+        stage: Stage,
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        param_specs: Any = None,
+        precision: Precision | None = None,
+    ):
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
+            raise ValueError(
+                f"stage must be 0, 1, 2 or 3, got {stage!r}: 0 = plain data parallel, "
+                "1 = shard optimizer state, 2 = + gradients, 3 = + parameters."
+            )
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            raise TypeError(
+                f"tx must be an optax.GradientTransformation, got {type(tx).__name__}; "
+                "e.g. optax.adamw(3e-4) or optax.chain(...)."
+            )
+        if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, int):
+            raise TypeError(f"min_shard_size must be an int, got {min_shard_size!r}.")
+        if min_shard_size < 0:
+            raise ValueError(f"min_shard_size must be >= 0, got {min_shard_size}.")
+        self.tx, self.mesh, self.stage = tx, mesh, stage
+        self.data_size = check_mesh(mesh)
+        self.min_shard_size = min_shard_size
+        self.param_specs = param_specs
+        self.precision = check_precision(Precision() if precision is None else precision)
+
+    def plan(self, params: Any) -> Plan:
+        """Where every leaf lives, for ``params`` (arrays or ``jax.ShapeDtypeStruct`` s).
+
+        ``print(opt.plan(params).describe())`` shows, per leaf, its shard dimension, stored
+        (padded) shape and ``PartitionSpec``.
+        """
+        check_leaves(params, "params", allow_empty=False)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        opt_state = jax.eval_shape(self.tx.init, self.precision.cast(shapes, "float32"))
+        check_leaves(opt_state, "optimizer state")
+        return make_plan(
+            mesh=self.mesh,
+            stage=self.stage,
+            params=shapes,
+            opt_state=opt_state,
+            user_specs=self._user_specs(shapes),
+            min_shard_size=self.min_shard_size,
+            param_dtype=self.precision.param_dtype,
+        )
+
+    def _user_specs(self, shapes: Any) -> Any:
+        if self.param_specs is None:
+            return jax.tree.map(lambda _: P(), shapes)
+        try:
+            jax.tree.broadcast(self.param_specs, shapes, is_leaf=lambda x: isinstance(x, P))
+        except ValueError as e:
+            raise ValueError(
+                f"param_specs does not match the parameter tree ({e}); give a PartitionSpec "
+                "per parameter leaf, or a prefix of the tree."
+            ) from None
+        return fit_specs(shapes, self.param_specs, self.mesh, drop_data=False)
+
+    def init(
+        self,
+        params: Any = None,
+        *,
+        init_fn: Callable[[], Any] | None = None,
+        model_state: Any = None,
+    ) -> ZeroState:
+        """Places parameters and a fresh Optax state per stage.
+
+        Args:
+            params: the parameters (arrays), or their ``jax.ShapeDtypeStruct`` s together
+                with ``init_fn``.
+            init_fn: a function of no arguments returning the parameters, e.g.
+                ``functools.partial(model.init, key, x)``. It runs inside ``jit`` with the
+                output already sharded, so in stage 3 no device ever holds the whole model.
+            model_state: optional non-trainable state (e.g. Flax ``batch_stats``), kept
+                replicated; see ``train_step(..., with_model_state=True)``.
+        """
+        if model_state is not None:
+            check_leaves(model_state, "model_state")
+        fn, arg = self.init_program(params, init_fn=init_fn)
+        state = fn(arg)
+        # A copy (jit never aliases undonated inputs): the donated step must not delete
+        # the caller's arrays.
+        replicated = state.plan.sharding(P())
+        model_state = jax.jit(lambda x: x, out_shardings=replicated)(model_state)
+        return state.replace(model_state=model_state)
+
+    def init_program(
+        self, params: Any = None, *, init_fn: Callable[[], Any] | None = None
+    ) -> tuple[Callable[[Any], ZeroState], Any]:
+        """The jitted program ``init`` runs, and its argument (for inspecting its memory)."""
+        if init_fn is None:
+            if params is None:
+                raise ValueError("init() needs params, or init_fn= returning them.")
+            check_leaves(params, "params", allow_empty=False)
+            if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+                raise ValueError(
+                    "params holds jax.ShapeDtypeStruct leaves (abstract shapes) but no init_fn; "
+                    "pass init_fn= to create the values, or pass concrete arrays."
+                )
+            abstract, make, arg = params, lambda p: p, params
+        else:
+            abstract = jax.eval_shape(init_fn)
+            if params is not None:
+                check_same_tree(params, abstract)
+            make, arg = (lambda _: init_fn()), None
+        plan = self.plan(abstract)
+        return init_program(self.tx, plan, self.precision, make), arg
+
+    def full_params(self, state: ZeroState) -> Any:
+        """The whole model, true shapes, replicated over 'data' (e.g. for export)."""
+        self.check_state(state)
+        return full_params(state)
+
+    def full_state(self, state: ZeroState) -> ZeroState:
+        """``state`` with parameters, Optax state and fp32 master weights at their true
+        shapes, replicated over 'data': what single-device Optax would hold."""
+        self.check_state(state)
+        return full_state(state)
+
+    def check_state(self, state: Any, *, tx: bool = False) -> None:
+        """Raises if ``state`` was not made by an optimizer like this one (with ``tx``: of
+        this Optax transformation too)."""
+        check_state(
+            state,
+            stage=self.stage,
+            mesh=self.mesh,
+            mixed=self.precision.mixed,
+            tx=self.tx if tx else None,
+        )
+
+    def train_step(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        manual_gather: bool = False,
+        grad_accum: int = 1,
+        with_model_state: bool = False,
+        has_aux: bool = False,
+        donate: bool = True,
+    ) -> TrainStep:
+        """A jitted ``step(state, batch) -> (state, metrics)``.
+
+        See :func:`jzero.core.step.make_train_step` for the arguments: ``manual_gather``
+        (the loss gathers per layer, e.g. with :func:`jzero.remat_layer`), ``grad_accum``
+        (micro-batches per step), ``with_model_state`` (``loss_fn(params, model_state,
+        batch) -> (loss, model_state)``), ``has_aux`` (``loss_fn`` returns ``(loss, aux)``;
+        aux comes back in ``metrics['aux']``) and ``donate``. A state consumed by an
+        earlier donated step is refused with an error, not reused.
+        """
+        return make_train_step(
+            self.tx,
+            self.precision,
+            loss_fn,
+            mesh=self.mesh,
+            stage=self.stage,
+            manual_gather=manual_gather,
+            grad_accum=grad_accum,
+            with_model_state=with_model_state,
+            has_aux=has_aux,
+            donate=donate,
+        )

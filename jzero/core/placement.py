@@ -1,0 +1,126 @@
+"""Placement: model states between their true-shaped (user) view and their stored form.
+
+Everything here follows the :class:`Plan`: ``store`` pads the leaves it stores partitioned,
+``view`` slices the padding off again, ``state_shardings`` names every leaf's sharding;
+``init_program`` builds a fresh state straight into that layout and ``full_params`` brings
+the parameters (``full_state``: every model state) back whole.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from .layout import pad, unpad
+from .plan import Plan, Stored
+from .precision import LossScale, Precision
+from .state import ZeroState
+
+
+def _map(fn: Callable[[jax.Array, Stored], jax.Array], tree: Any, stored: tuple[Stored, ...]):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([fn(x, s) for x, s in zip(leaves, stored)])
+
+
+def store(tree: Any, stored: tuple[Stored, ...]) -> Any:
+    """True shapes -> stored shapes: the leaves stored partitioned are zero-padded."""
+    return _map(lambda x, s: pad(x, s.layout) if s.partitioned else x, tree, stored)
+
+
+def view(tree: Any, stored: tuple[Stored, ...]) -> Any:
+    """Stored shapes -> true shapes: the padding is sliced off."""
+    return _map(lambda x, s: unpad(x, s.layout) if s.partitioned else x, tree, stored)
+
+
+def constrain(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
+    """``with_sharding_constraint`` of every leaf to its planned sharding."""
+    return _map(lambda x, s: jax.lax.with_sharding_constraint(x, plan.sharding(s)), tree, stored)
+
+
+def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
+    """``NamedSharding`` s of every leaf of a :class:`ZeroState` with ``plan``.
+
+    ``model_state`` (replicated, any structure) is placed by ``init``, not listed here.
+    """
+    replicated = plan.sharding(P())
+    master = None
+    if plan.master is not None:
+        master = plan.shardings(plan.master, plan.params_def)
+    loss_scale = None
+    if precision.dynamic_loss_scale:
+        loss_scale = LossScale(replicated, replicated)
+    return ZeroState(
+        step=replicated,
+        params=plan.shardings(plan.params, plan.params_def),
+        opt_state=plan.shardings(plan.opt, plan.opt_def),
+        model_state=None,
+        master=master,
+        loss_scale=loss_scale,
+        plan=plan,
+    )
+
+
+def init_program(
+    tx: optax.GradientTransformation,
+    plan: Plan,
+    precision: Precision,
+    make: Callable[[Any], Any],
+) -> Callable[[Any], ZeroState]:
+    """The jitted ``init(arg) -> ZeroState``: ``make(arg)`` gives true-shaped parameters,
+    which are cast, given a fresh Optax state and stored as ``plan`` says."""
+
+    def init(arg: Any) -> ZeroState:
+        p = precision.cast(make(arg), jnp.float32)  # the master weights Optax updates
+        return ZeroState(
+            step=jnp.zeros((), jnp.int32),
+            params=store(precision.cast(p), plan.params),
+            opt_state=store(tx.init(p), plan.opt),
+            model_state=None,
+            master=None if plan.master is None else store(p, plan.master),
+            loss_scale=LossScale.create(precision) if precision.dynamic_loss_scale else None,
+            plan=plan,
+        )
+
+    return jax.jit(init, out_shardings=state_shardings(plan, precision))
+
+
+def _whole(plan: Plan, stored: tuple[Stored, ...], treedef: Any) -> Any:
+    return jax.tree.unflatten(treedef, [plan.sharding(s.layout.user_spec) for s in stored])
+
+
+@functools.lru_cache(maxsize=32)
+def _full_params_program(plan: Plan) -> Callable[[Any], Any]:
+    out = _whole(plan, plan.params, plan.params_def)
+    return jax.jit(lambda params: view(params, plan.params), out_shardings=out)
+
+
+def full_params(state: ZeroState) -> Any:
+    """The whole model, true shapes, replicated over ``data`` (one compiled program per plan)."""
+    return _full_params_program(state.plan)(state.params)
+
+
+@functools.lru_cache(maxsize=32)
+def _full_state_program(plan: Plan) -> Callable[[Any, Any, Any], Any]:
+    master = None if plan.master is None else _whole(plan, plan.master, plan.params_def)
+    out = (_whole(plan, plan.params, plan.params_def), _whole(plan, plan.opt, plan.opt_def), master)
+
+    def program(params, opt_state, master):
+        master = None if plan.master is None else view(master, plan.master)
+        return view(params, plan.params), view(opt_state, plan.opt), master
+
+    return jax.jit(program, out_shardings=out)
+
+
+def full_state(state: ZeroState) -> ZeroState:
+    """``state`` with parameters, Optax state and master weights whole: true shapes,
+    replicated over ``data`` (for inspection and export; it needs a whole copy per device)."""
+    params, opt_state, master = _full_state_program(state.plan)(
+        state.params, state.opt_state, state.master
+    )
+    return state.replace(params=params, opt_state=opt_state, master=master)

@@ -1,0 +1,191 @@
+"""The plan: the one description of where every leaf of a run's state lives.
+
+A :class:`Plan` is static and hashable. It holds the mesh, the ZeRO stage as data (which
+model states are partitioned over ``data``: optimizer state from stage 1, gradients from
+stage 2, parameters at stage 3) and, per stored leaf, a :class:`Stored`: its layout (shard
+dimension, padding, ``PartitionSpec``), whether it is stored partitioned, its dtype and its
+memory kind. Everything else -- the step, init, export, accounting -- reads placement from
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._table import table
+from .layout import LeafLayout, leaf_layout
+from .mesh import DATA
+
+Stage = Literal[0, 1, 2, 3]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """How one leaf is stored at rest (static metadata, not a pytree node).
+
+    Attributes:
+        layout: the leaf's :class:`LeafLayout` (true shape, shard dimension, padding).
+        partitioned: stored as 1/N shards along ``layout.dim``, padded; otherwise whole,
+            true shape, replicated over ``data``.
+        dtype: the stored dtype.
+        memory_kind: the ``NamedSharding`` memory kind; None: the device's default memory.
+    """
+
+    layout: LeafLayout
+    partitioned: bool
+    dtype: np.dtype
+    memory_kind: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The stored (global) shape."""
+        return self.layout.padded if self.partitioned else self.layout.shape
+
+    @property
+    def spec(self) -> P:
+        """The stored array's ``PartitionSpec``, the user's other mesh axes included."""
+        return self.layout.spec if self.partitioned else self.layout.user_spec
+
+    @property
+    def data_spec(self) -> P:
+        """The stored spec restricted to ``data`` (what ``shard_map`` sees)."""
+        return self.layout.data_spec() if self.partitioned else P()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Placement of a run's parameters, optimizer state and fp32 master weights.
+
+    Attributes:
+        mesh: the device mesh (its ``data`` axis is the one partitioned along).
+        stage: the ZeRO stage, 0 to 3; ``partitions_*`` say what it means.
+        params_def, params: treedef and per-leaf :class:`Stored` of the parameters.
+        opt_def, opt: the same for the Optax state.
+        master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
+            parameters are stored in a 16-bit dtype; None otherwise.
+    """
+
+    mesh: Mesh
+    stage: int
+    params_def: Any
+    params: tuple[Stored, ...]
+    opt_def: Any
+    opt: tuple[Stored, ...]
+    master: tuple[Stored, ...] | None
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.shape[DATA]
+
+    @property
+    def partitions_opt_state(self) -> bool:
+        """Stage >= 1 (P_os): the optimizer state and master weights are 1/N shards."""
+        return self.stage >= 1
+
+    @property
+    def partitions_grads(self) -> bool:
+        """Stage >= 2 (P_g): gradients are reduce-scattered during backward, never whole."""
+        return self.stage >= 2
+
+    @property
+    def partitions_params(self) -> bool:
+        """Stage 3 (P_p): parameters at rest are 1/N shards, gathered where used."""
+        return self.stage == 3
+
+    @property
+    def layouts(self) -> tuple[LeafLayout, ...]:
+        """The parameters' layouts, flat."""
+        return tuple(s.layout for s in self.params)
+
+    @property
+    def opt_layouts(self) -> tuple[LeafLayout, ...]:
+        """The optimizer state's layouts, flat."""
+        return tuple(s.layout for s in self.opt)
+
+    def params_tree(self) -> Any:
+        """The parameters' :class:`LeafLayout` s as a pytree shaped like the parameters."""
+        return jax.tree.unflatten(self.params_def, self.layouts)
+
+    def opt_tree(self) -> Any:
+        """The optimizer state's :class:`LeafLayout` s, shaped like the Optax state."""
+        return jax.tree.unflatten(self.opt_def, self.opt_layouts)
+
+    def sharding(self, stored: Stored | P) -> NamedSharding:
+        """The ``NamedSharding`` of a stored leaf (or of a spec, on this mesh)."""
+        if isinstance(stored, P):
+            return NamedSharding(self.mesh, stored)
+        return NamedSharding(self.mesh, stored.spec, memory_kind=stored.memory_kind)
+
+    def shardings(self, stored: tuple[Stored, ...], treedef: Any) -> Any:
+        return jax.tree.unflatten(treedef, [self.sharding(s) for s in stored])
+
+    def describe(self) -> str:
+        """A readable table: one row per parameter leaf with its layout."""
+        paths = [jax.tree_util.keystr(k) for k, _ in _paths(self.params_def)]
+        rows = [("leaf", "shape", "shard dim", "stored", "pad", "spec")]
+        for path, lay in zip(paths, self.layouts):
+            dim = "-" if lay.dim is None else str(lay.dim)
+            rows.append((path, str(lay.shape), dim, str(lay.padded), str(lay.pad), str(lay.spec)))
+        return table(rows)
+
+
+def _paths(treedef: Any) -> list[tuple[Any, Any]]:
+    dummy = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
+    return jax.tree_util.tree_flatten_with_path(dummy)[0]
+
+
+def make_plan(
+    *,
+    mesh: Mesh,
+    stage: int,
+    params: Any,
+    opt_state: Any,
+    user_specs: Any,
+    min_shard_size: int,
+    param_dtype: Any,
+) -> Plan:
+    """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``stage``.
+
+    Each leaf is laid out by its shape (:func:`leaf_layout`), so an optimizer-state leaf gets
+    the layout of a parameter of its shape, including that parameter's user spec when only
+    one parameter has that shape. ``user_specs`` is a tree of ``PartitionSpec`` over the
+    mesh's other axes, shaped like ``params``. Parameters are stored in ``param_dtype``;
+    with a 16-bit ``param_dtype`` the fp32 master weights are laid out like the optimizer
+    state.
+    """
+    n = 1 if stage == 0 else mesh.shape[DATA]
+    rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_shard_size, user_spec=spec)
+    p_leaves, p_def = jax.tree.flatten(params)
+    p_lays = [rule(x, s) for x, s in zip(p_leaves, jax.tree.leaves(user_specs))]
+    by_shape: dict[tuple[int, ...], set[P]] = {}
+    for lay in p_lays:
+        by_shape.setdefault(lay.shape, set()).add(lay.user_spec)
+    spec_of = lambda shape: (
+        next(iter(by_shape[shape])) if len(by_shape.get(shape, ())) == 1 else P()
+    )
+    o_leaves, o_def = jax.tree.flatten(opt_state)
+    o_lays = [rule(x, spec_of(tuple(int(s) for s in x.shape))) for x in o_leaves]
+
+    param_dtype = np.dtype(param_dtype)
+    mixed = param_dtype != np.dtype(np.float32)
+    floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    stored_dtype = lambda x: param_dtype if floating(x) else np.dtype(x.dtype)
+    params_stored = tuple(
+        Stored(lay, stage == 3, stored_dtype(x)) for lay, x in zip(p_lays, p_leaves)
+    )
+    opt_stored = tuple(
+        Stored(lay, stage >= 1, np.dtype(x.dtype)) for lay, x in zip(o_lays, o_leaves)
+    )
+    master = None
+    if mixed:
+        master = tuple(
+            Stored(lay, stage >= 1, np.dtype(np.float32) if floating(x) else np.dtype(x.dtype))
+            for lay, x in zip(p_lays, p_leaves)
+        )
+    return Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master)

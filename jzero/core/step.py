@@ -1,0 +1,327 @@
+"""The training step: forward/backward under ``shard_map``, then the global-view Optax update.
+
+Per stage, inside ``shard_map`` over 'data' (local view):
+
+- 0: grads of the local loss, ``psum`` (all-reduce) over 'data'.
+- 1: grads of the local loss, held whole until backward ends, then ``psum_scatter``
+  (reduce-scatter) leaf by leaf; the updated shards are ``all_gather``-ed afterwards.
+- 2: each sharded leaf enters the loss through :class:`Sharded`, whose backward
+  reduce-scatters that leaf's gradient as soon as backward produces it.
+- 3: each sharded leaf is ``all_gather``-ed where used (:func:`gather`); backward gathers
+  it again (remat) and its transpose reduce-scatters the gradient.
+
+Leaves below the size threshold are replicated and their gradients ``psum``-ed. The Optax
+update then runs under ``jit`` on the sharded arrays with the padding sliced off, so every
+transformation keeps its single-device meaning; XLA adds only scalar all-reduces (norms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .checks import check_batch, check_live, check_loss, check_state
+from .collectives import Sharded, after, all_gather, gather, reduce_scatter, regather_policy
+from .layout import LeafLayout, pad, unpad
+from .mesh import DATA
+from .placement import constrain, store, view
+from .plan import Plan
+from .precision import Precision
+from .state import ZeroState
+
+Metrics = dict[str, Any]
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    # Differentiating a replicated input inside shard_map would psum its gradient
+    # implicitly; differentiate a varying copy instead and reduce explicitly.
+    return jax.lax.pcast(x, DATA, to="varying")
+
+
+def _local_shape(lay: LeafLayout) -> tuple[int, ...]:
+    shape = list(lay.padded)
+    shape[lay.dim] //= jax.lax.axis_size(DATA)
+    return tuple(shape)
+
+
+def _local_grads(
+    plan: Plan,
+    loss_fn: Callable,
+    *,
+    manual_gather: bool,
+    grad_accum: int,
+    precision: Precision,
+    has_aux: bool,
+    with_model_state: bool,
+):
+    """The shard_map body: (params at rest, model state, loss scale, local batch) ->
+    (loss, reduced gradients summed over devices and micro-batches, agreed model state, aux).
+    """
+    lays, reduce_dtype = plan.layouts, precision.reduce_dtype
+
+    def call_loss(params, model_state, batch):
+        if with_model_state:
+            out, model_state = check_loss(
+                loss_fn(params, model_state, batch), has_aux=False, with_model_state=True
+            )
+        else:
+            out = loss_fn(params, batch)
+        loss, aux = check_loss(out, has_aux=has_aux, with_model_state=False)
+        return loss, model_state, aux
+
+    def body(params, model_state, scale, batch):
+        leaves = jax.tree.leaves(params)
+        if plan.partitions_grads:  # differentiate zero "sinks" that receive the
+            # reduce-scattered gradients; the parameters enter through Sharded handles
+            sink = lambda lay: _varying(jnp.zeros(_local_shape(lay), reduce_dtype))
+            diff = [sink(lay) if lay.sharded else _varying(x) for x, lay in zip(leaves, lays)]
+            gathers = plan.partitions_params
+            wrap = lambda d: [
+                Sharded(s, x, lay, gathers=gathers) if lay.sharded else s
+                for s, x, lay in zip(d, leaves, lays)
+            ]
+        else:
+            diff = [_varying(x) for x in leaves]
+            wrap = lambda d: d
+
+        def local_loss(d, model_state, micro_batch):
+            p = jax.tree.unflatten(plan.params_def, wrap(d))
+            loss, model_state, aux = call_loss(
+                p if manual_gather else gather(p), model_state, micro_batch
+            )
+            loss = loss.astype(jnp.float32)
+            return loss * scale, (loss, model_state, aux)
+
+        if plan.partitions_params and not manual_gather:
+            # Everything is gathered up front: remat just the gathers, so backward gathers
+            # again. With manual_gather the user's per-layer remat (jax.checkpoint /
+            # nn.remat around the layer that calls jzero.gather) re-gathers instead; an
+            # outer policy here would override it and keep the layers' activations.
+            local_loss = jax.checkpoint(local_loss, policy=regather_policy)
+        grad_fn = jax.grad(local_loss, has_aux=True)
+        model_state = jax.tree.map(_varying, model_state)
+        if grad_accum == 1:
+            grads, (loss, model_state, aux) = grad_fn(diff, model_state, batch)
+        else:  # accumulate in fp32; stages 2/3 reduce-scatter every micro-batch
+            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+
+            def accumulate(carry, micro_batch):
+                loss_sum, grads_sum, model_state = carry
+                grads, (loss, model_state, aux) = grad_fn(diff, model_state, micro_batch)
+                grads = [a + g.astype(a.dtype) for a, g in zip(grads_sum, grads)]
+                return (loss_sum + loss, grads, model_state), aux
+
+            zeros = [_varying(jnp.zeros(jax.typeof(x).shape, jnp.float32)) for x in diff]
+            init = (_varying(jnp.zeros((), jnp.float32)), zeros, model_state)
+            (loss, grads, model_state), aux = jax.lax.scan(accumulate, init, micro)
+            loss = loss / grad_accum
+            aux = jax.tree.map(_combine_micro, aux)
+            grads = [g.astype(reduce_dtype) for g in grads]
+        if plan.partitions_opt_state and not plan.partitions_grads:
+            # P_os alone: the whole local gradient exists before any of it is reduced
+            grads = after(grads, [g.reshape(-1)[:1] for g in grads])
+        grads = [_reduce(plan, g.astype(reduce_dtype), lay) for g, lay in zip(grads, lays)]
+        model_state = jax.tree.map(_agree, model_state)
+        aux = jax.tree.map(_agree_aux, aux)
+        loss = jax.lax.pmean(loss, DATA)
+        return loss, jax.tree.unflatten(plan.params_def, grads), model_state, aux
+
+    return body
+
+
+def _agree(x: jax.Array) -> jax.Array:
+    """One value of a model-state leaf on every device: the mean of floats (e.g. batch
+    statistics, as synchronised batch norm would give), the max of integers (counters)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, DATA)
+    return jax.lax.pmax(x, DATA)
+
+
+def _combine_micro(x: jax.Array) -> jax.Array:
+    """Aux over micro-batches (leading axis): the mean of floats, the sum of integers."""
+    return x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)
+
+
+def _agree_aux(x: jax.Array) -> jax.Array:
+    """Aux over devices: the mean of floats (per-batch metrics), the sum of integers (counts)."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, DATA)
+    return jax.lax.psum(x, DATA)
+
+
+def _reduce(plan: Plan, g: jax.Array, lay: LeafLayout) -> jax.Array:
+    if not lay.sharded:
+        return jax.lax.psum(g, DATA)  # stage 0, and small replicated leaves
+    if plan.partitions_grads:
+        return g  # reduce-scattered already, inside backward
+    return reduce_scatter(g, lay)  # P_os: once, after backward
+
+
+class TrainStep:
+    """The jitted ``step(state, batch) -> (state, metrics)``, refusing a consumed state.
+
+    ``lower(state, batch)`` gives the jitted program's lowering (for
+    :func:`jzero.report` and ``.compile().memory_analysis()``).
+    """
+
+    def __init__(self, jitted: Any, donate: bool):
+        self._jitted, self._donate = jitted, donate
+
+    def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        check_live(state)
+        return self._jitted(state, batch)
+
+    def lower(self, state: ZeroState, batch: Any) -> Any:
+        return self._jitted.lower(state, batch)
+
+
+def make_train_step(
+    tx: optax.GradientTransformation,
+    precision: Precision,
+    loss_fn: Callable[..., Any],
+    *,
+    mesh: Mesh,
+    stage: int,
+    manual_gather: bool = False,
+    grad_accum: int = 1,
+    with_model_state: bool = False,
+    has_aux: bool = False,
+    donate: bool = True,
+) -> TrainStep:
+    """Builds the jitted ``step(state, batch) -> (state, metrics)`` for ``state.plan``.
+
+    Args:
+        tx: the Optax transformation.
+        precision: the precision policy (reduce dtype, loss scaling).
+        loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over its batch. It runs
+            per device on that device's slice of the batch (leading axis split over 'data').
+            With ``has_aux``, it returns ``(loss, aux)``.
+        mesh, stage: what the state must have been made for (checked at trace time, with
+            ``precision`` and ``tx``: a state from another optimizer is refused).
+        manual_gather: if False (default), stage 3 gathers every parameter at the start of
+            the forward pass. If True, ``loss_fn`` receives :class:`Sharded` handles in stages
+            2/3 and calls :func:`jzero.gather` on each layer's parameters where it uses them,
+            inside a rematerialised layer (``jax.checkpoint`` / ``nn.remat``), so stage 3
+            holds about one layer's gathered parameters at a time and backward gathers again.
+            Call ``gather`` once per parameter and forward pass: each call is one
+            reduce-scatter of that parameter's gradient in backward (stages 2/3).
+        grad_accum: split each device's batch into this many micro-batches and accumulate
+            their gradients in fp32 inside the step (``lax.scan``). Stages 0/1 keep a
+            full-size local accumulator and communicate once per step; stages 2/3 keep only
+            their 1/N shard and reduce-scatter every micro-batch (more, smaller messages
+            for 1/N of the accumulator memory).
+        with_model_state: the loss also reads and updates non-trainable model state
+            (``state.model_state``, e.g. Flax ``batch_stats``), replicated over 'data':
+            ``loss_fn(params, model_state, batch) -> (loss, new_model_state)`` (with
+            ``has_aux``: ``((loss, aux), new_model_state)``). jzero then makes the new state
+            agree on every device (mean of floats, max of integers).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``, as for ``jax.value_and_grad(...,
+            has_aux=True)``; ``metrics['aux']`` holds aux averaged over devices and
+            micro-batches (floats; integers are summed, e.g. token counts).
+        donate: donate the old state's buffers to the new one.
+
+    ``metrics`` holds ``loss`` (mean over the global batch), ``grad_norm`` (global L2 norm
+    of the averaged gradient, padding excluded) and, with dynamic loss scaling,
+    ``loss_scale`` and ``skipped`` (1 where non-finite gradients skipped the update).
+    """
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}.")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+
+    def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        check_state(state, stage=stage, mesh=mesh, mixed=precision.mixed, tx=tx)
+        plan = state.plan
+        n = plan.data_size
+        check_batch(batch, n, grad_accum)
+        scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
+        body = _local_grads(
+            plan,
+            loss_fn,
+            manual_gather=manual_gather,
+            grad_accum=grad_accum,
+            precision=precision,
+            has_aux=has_aux,
+            with_model_state=with_model_state,
+        )
+        grad_specs = [lay.data_spec() if plan.partitions_opt_state else P() for lay in plan.layouts]
+        fwd_bwd = jax.shard_map(
+            body,
+            mesh=plan.mesh,
+            in_specs=(
+                jax.tree.unflatten(plan.params_def, [s.data_spec for s in plan.params]),
+                jax.tree.map(lambda _: P(), state.model_state),
+                P(),
+                jax.tree.map(lambda _: P(DATA), batch),
+            ),
+            out_specs=(P(), jax.tree.unflatten(plan.params_def, grad_specs), P(), P()),
+            axis_names={DATA},
+        )
+        loss, grads, model_state, aux = fwd_bwd(state.params, state.model_state, scale, batch)
+        # Global view from here: sums -> means (and unscaled), padding sliced off.
+        grads = jax.tree.map(
+            lambda g, lay: unpad(g.astype(jnp.float32) / (n * grad_accum * scale), lay),
+            grads,
+            plan.params_tree(),
+        )
+        new_state = _update(tx, precision, state, grads)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if has_aux:
+            metrics["aux"] = aux
+        if state.loss_scale is not None:
+            finite = jnp.isfinite(metrics["grad_norm"])
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            new_state = new_state.replace(loss_scale=state.loss_scale.next(finite, precision))
+            metrics |= {"loss_scale": scale, "skipped": (~finite).astype(jnp.int32)}
+        return new_state.replace(step=state.step + 1, model_state=model_state), metrics
+
+    return TrainStep(jax.jit(step, donate_argnums=0 if donate else ()), donate)
+
+
+def _update(
+    tx: optax.GradientTransformation, precision: Precision, state: ZeroState, grads: Any
+) -> ZeroState:
+    """The Optax update in the global view, on fp32 master weights, then re-placement."""
+    plan = state.plan
+    if plan.master is not None:
+        master = view(state.master, plan.master)
+    else:
+        master = view(state.params, plan.params)
+    opt_state = view(state.opt_state, plan.opt)
+    updates, opt_state = tx.update(grads, opt_state, master)
+    master = optax.apply_updates(master, updates)
+
+    opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
+    params = precision.cast(master)
+    if plan.partitions_opt_state and not plan.partitions_params:
+        params = _all_gather_params(plan, params)
+    params = constrain(plan, store(params, plan.params), plan.params)
+    if plan.master is not None:
+        master = constrain(plan, store(master, plan.master), plan.master)
+    else:
+        master = None
+    return state.replace(params=params, opt_state=opt_state, master=master)
+
+
+def _all_gather_params(plan: Plan, params: Any) -> Any:
+    """Stages 1/2: updated shards -> full replicated parameters, by explicit all-gather."""
+    shards = [
+        jax.lax.with_sharding_constraint(pad(p, lay), plan.sharding(lay.spec))
+        for p, lay in zip(jax.tree.leaves(params), plan.layouts)
+    ]
+    gather_fn = jax.shard_map(
+        lambda ps: [all_gather(p, lay) if lay.sharded else p for p, lay in zip(ps, plan.layouts)],
+        mesh=plan.mesh,
+        in_specs=([lay.data_spec() for lay in plan.layouts],),
+        out_specs=[P()] * len(plan.layouts),
+        axis_names={DATA},
+        check_vma=False,  # all_gather's result is replicated; vma cannot infer that
+    )
+    return jax.tree.unflatten(plan.params_def, gather_fn(shards))
