@@ -5,13 +5,14 @@ precision, remat), ``jzero.adapters`` (the Flax adapters, published as ``jzero.l
 ``jzero.nnx``), ``jzero.accounting`` (estimates, HLO collectives, report) and ``jzero.cli``.
 """
 
+from jzero import linen as linen
+from jzero import nnx as nnx
+
 from .accounting.estimate import Estimate as Estimate
 from .accounting.estimate import estimate as estimate
 from .accounting.estimate import max_params as max_params
 from .accounting.report import Report as Report
 from .accounting.report import report as report
-from .adapters import linen as linen
-from .adapters import nnx as nnx
 from .core.collectives import Sharded as Sharded
 from .core.collectives import gather as gather
 from .core.layout import LeafLayout as LeafLayout

@@ -110,3 +110,97 @@ def test_state_from_another_precision_policy():
     bf16 = jzero.Precision(param_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="different precision policy"):
         _opt(stage=1, precision=bf16).train_step(awkward_loss)(state, awkward_batches(1)[0])
+
+
+# --------------------------------------------------------------- rough edges (P5 part 2)
+def test_reusing_a_donated_state_is_refused_not_a_segfault():
+    opt = _opt(stage=3)
+    state = opt.init(awkward_params())
+    step, batch = opt.train_step(awkward_loss), awkward_batches(1)[0]
+    new, _ = step(state, batch)
+    with pytest.raises(ValueError, match=r"donated to \(consumed by\) an earlier train_step.*"):
+        step(state, batch)
+    with pytest.raises(ValueError, match="donate=False"):
+        step(state, batch)
+    new, _ = step(new, batch)  # the returned state goes on
+    assert int(new.step) == 2
+
+
+def test_donate_false_keeps_the_old_state_usable():
+    opt = _opt(stage=2)
+    state = opt.init(awkward_params())
+    step, batch = opt.train_step(awkward_loss, donate=False), awkward_batches(1)[0]
+    a, _ = step(state, batch)
+    b, _ = step(state, batch)  # the same state again
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_batch_leaves_with_different_leading_dimensions():
+    opt = _opt()
+    state = opt.init(awkward_params())
+    batch = awkward_batches(1)[0]
+    batch = {"x": batch["x"], "y": batch["y"][:8]}
+    with pytest.raises(ValueError, match=r"different leading \(batch\) dimensions.*\['x'\]: 16"):
+        opt.train_step(awkward_loss)(state, batch)
+
+
+@pytest.mark.parametrize("params", [{}, {"a": {}, "b": []}, None])
+def test_empty_params(params):
+    if params is None:  # init_fn returning nothing
+        with pytest.raises(ValueError, match="params is empty.*nothing to train"):
+            _opt().init(init_fn=dict)
+        return
+    with pytest.raises(ValueError, match="params is empty.*nothing to train"):
+        _opt().init(params)
+
+
+def test_integer_loss_is_refused():
+    opt = _opt()
+    state = opt.init(awkward_params())
+    int_loss = lambda p, b: jnp.sum(b["x"] > 0).astype(jnp.int32)
+    with pytest.raises(TypeError, match="floating-point scalar.*int32.*integer loss has zero"):
+        opt.train_step(int_loss)(state, awkward_batches(1)[0])
+
+
+def test_non_scalar_loss_is_refused():
+    opt = _opt()
+    state = opt.init(awkward_params())
+    per_row = lambda p, b: jnp.mean(b["x"] @ p["emb"], axis=1)
+    with pytest.raises(TypeError, match=r"floating-point scalar.*shape \(2,\).*jnp.mean"):
+        opt.train_step(per_row)(state, awkward_batches(1)[0])
+
+
+def test_loss_with_aux_without_has_aux():
+    opt = _opt()
+    state = opt.init(awkward_params())
+    with_aux = lambda p, b: (awkward_loss(p, b), {"acc": jnp.float32(1)})
+    with pytest.raises(TypeError, match=r"returned a tuple of 2.*has_aux=True"):
+        opt.train_step(with_aux)(state, awkward_batches(1)[0])
+
+
+def test_model_state_loss_returning_a_bare_scalar():
+    opt = _opt()
+    state = opt.init(awkward_params(), model_state={"count": jnp.zeros((), jnp.int32)})
+    bare = lambda p, ms, b: awkward_loss(p, b)
+    with pytest.raises(TypeError, match=r"must return a pair \(loss, new_model_state\).*unchanged"):
+        opt.train_step(bare, with_model_state=True)(state, awkward_batches(1)[0])
+
+
+def test_state_from_another_optax_transformation():
+    state = jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=1).init(awkward_params())
+    with pytest.raises(ValueError, match="different Optax transformation.*this optimizer's init"):
+        _opt(stage=1).train_step(awkward_loss)(state, awkward_batches(1)[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, np.complex128])
+def test_complex_parameters(dtype):
+    params = {"w": np.ones((8, 2), dtype)}
+    with pytest.raises(TypeError, match=r"params leaf \['w'\] is complex.*real and imaginary"):
+        _opt().init(params)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_grad_accum_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="grad_accum must be a positive int"):
+        _opt().train_step(awkward_loss, grad_accum=bad)

@@ -95,9 +95,9 @@ def check_state(
     if expected != plan.opt_def:
         raise ValueError(
             "state.opt_state was made by a different Optax transformation than this "
-            f"optimizer's (its state is {plan.opt_def}, this optimizer's tx.init gives "
-            f"{expected}); create the state with this optimizer's init(), or build the "
-            "optimizer with the transformation the state came from."
+            f"optimizer's (its state is {_short(plan.opt_def)}, this optimizer's tx.init "
+            f"gives {_short(expected)}); create the state with this optimizer's init(), or "
+            "build the optimizer with the transformation the state came from."
         )
 
 
@@ -146,27 +146,27 @@ def check_batch(batch: Any, n: int, grad_accum: int) -> None:
         )
 
 
-def check_loss(out: Any, *, has_aux: bool, with_model_state: bool) -> tuple[Any, Any]:
-    """Splits ``loss_fn``'s output into (loss, rest) and checks the loss is a float scalar.
+def split_model_state(out: Any) -> tuple[Any, Any]:
+    """``loss_fn(params, model_state, batch)``'s output -> (loss part, new model state)."""
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError(
+            "with with_model_state=True, loss_fn(params, model_state, batch) must return a "
+            f"pair (loss, new_model_state), but returned {_describe(out)}; return the state "
+            "unchanged if the model has nothing to update (with has_aux=True: "
+            "((loss, aux), new_model_state))."
+        )
+    return out[0], out[1]
 
-    ``rest`` is the aux value (``has_aux``) or the new model state (``with_model_state``).
-    """
-    signature = "loss_fn(params, model_state, batch)" if with_model_state else "loss_fn"
-    wants_pair = has_aux or with_model_state
-    what = "(loss, aux)" if has_aux else "(loss, new_model_state)"
-    if wants_pair:
+
+def check_loss(out: Any, *, has_aux: bool) -> tuple[Any, Any]:
+    """Splits ``loss_fn``'s loss part into (loss, aux) and checks the loss is a float scalar."""
+    if has_aux:
         if not (isinstance(out, tuple | list) and len(out) == 2):
             raise TypeError(
-                f"{signature} must return a pair {what} here, but returned "
-                f"{_describe(out)}. "
-                + (
-                    "With with_model_state=True return (loss, model_state), the state "
-                    "unchanged if the model has nothing to update."
-                    if with_model_state
-                    else "With has_aux=True return (loss, aux)."
-                )
+                "with has_aux=True, loss_fn must return a pair (loss, aux), but returned "
+                f"{_describe(out)}; return (loss, aux), or build the step without has_aux."
             )
-        loss, rest = out
+        loss, aux = out
     else:
         if isinstance(out, tuple | list):
             raise TypeError(
@@ -174,24 +174,31 @@ def check_loss(out: Any, *, has_aux: bool, with_model_state: bool) -> tuple[Any,
                 "it returns (loss, aux), build the step with has_aux=True (aux comes back in "
                 "metrics['aux'])."
             )
-        loss, rest = out, None
-    shape = getattr(loss, "shape", None)
-    dtype = getattr(loss, "dtype", None)
-    if shape is None or shape != () or not jnp.issubdtype(dtype, jnp.floating):
+        loss, aux = out, None
+    shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
+    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+        integer = dtype is not None and not jnp.issubdtype(dtype, jnp.inexact)
         raise TypeError(
             f"the loss must be a floating-point scalar, got {_describe(loss)}; "
             + (
                 "an integer loss has zero gradients everywhere: compute it in floating point."
-                if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact)
+                if integer and shape == ()
                 else "reduce it to one number (e.g. jnp.mean) over the device's batch."
             )
         )
-    return loss, rest
+    return loss, aux
+
+
+def _short(treedef: Any, limit: int = 120) -> str:
+    text = str(treedef)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe(x: Any) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)}"
     return f"a {type(x).__name__}"
 
 

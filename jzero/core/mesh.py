@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,9 +14,20 @@ from jax.sharding import PartitionSpec as P
 DATA = "data"
 """Name of the mesh axis that jzero partitions model states along."""
 
+logger = logging.getLogger("jzero")
+
+ONE_CPU_HINT = (
+    "only one CPU device: jzero will train on one device. For N CPU devices call "
+    'jax.config.update("jax_num_cpu_devices", N) before JAX touches a device (or set '
+    "XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)."
+)
+
 
 def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A one-axis mesh over ``devices`` (default: all devices) named ``'data'``.
+
+    It logs the mesh it built (logger ``"jzero"``, level INFO), and a WARNING with the fix
+    when the only device is one CPU (jzero would then train on one device).
 
     The axis is ``AxisType.Auto`` so that the Optax update, which runs in the global view,
     may contract over sharded dimensions (see docs/design.md, "Traps").
@@ -28,7 +40,12 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("data_mesh() got an empty device list; pass at least one jax.Device.")
-    return Mesh(np.array(devices), (DATA,), axis_types=(AxisType.Auto,))
+    mesh = Mesh(np.array(devices), (DATA,), axis_types=(AxisType.Auto,))
+    kinds = sorted({d.platform for d in devices})
+    logger.info("jzero.data_mesh: 'data' axis over %d %s device(s)", len(devices), "/".join(kinds))
+    if len(devices) == 1 and kinds == ["cpu"] and jax.device_count() == 1:
+        logger.warning("jzero.data_mesh: %s", ONE_CPU_HINT)
+    return mesh
 
 
 def check_mesh(mesh: Mesh) -> int:

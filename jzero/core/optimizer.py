@@ -1,7 +1,9 @@
 """``ZeroOptimizer``: the front users hold -- configuration, and four calls into the core.
 
-It validates the configuration, makes the :class:`Plan` for a parameter tree, and hands
-``(tx, plan, precision, loss_fn)`` to placement and the step; nothing there calls back.
+It validates the configuration and makes the :class:`Plan` for a parameter tree; init and
+export go to :mod:`.placement` with that plan, and ``train_step`` hands ``(tx, precision,
+loss_fn, mesh, stage)`` to :func:`.step.make_train_step`, whose step reads placement from
+``state.plan`` alone. Nothing in the core calls back into this class.
 """
 
 from __future__ import annotations

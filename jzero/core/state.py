@@ -15,7 +15,8 @@ class ZeroState:
     """Parameters and optimizer state of a ZeRO-partitioned model.
 
     Attributes:
-        step: int32 scalar, replicated; number of optimizer steps taken.
+        step: int32 scalar, replicated; number of train steps taken (steps skipped by
+            dynamic loss scaling included; Optax's own counters skip them).
         params: the parameters as stored at rest. Stages 0-2: full, true shapes, replicated
             over 'data'. Stage 3: each sharded leaf padded along its shard dimension and
             partitioned over 'data' (see ``plan``); small leaves replicated.

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .checks import check_batch, check_live, check_loss, check_state
+from .checks import check_batch, check_live, check_loss, check_state, split_model_state
 from .collectives import Sharded, after, all_gather, gather, reduce_scatter, regather_policy
 from .layout import LeafLayout, pad, unpad
 from .mesh import DATA
@@ -67,12 +67,10 @@ def _local_grads(
 
     def call_loss(params, model_state, batch):
         if with_model_state:
-            out, model_state = check_loss(
-                loss_fn(params, model_state, batch), has_aux=False, with_model_state=True
-            )
+            out, model_state = split_model_state(loss_fn(params, model_state, batch))
         else:
             out = loss_fn(params, batch)
-        loss, aux = check_loss(out, has_aux=has_aux, with_model_state=False)
+        loss, aux = check_loss(out, has_aux=has_aux)
         return loss, model_state, aux
 
     def body(params, model_state, scale, batch):

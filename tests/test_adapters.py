@@ -1,0 +1,162 @@
+"""The Flax adapters at parity with the core: the same options (precision, min_shard_size,
+param_specs, has_aux, donate), the same step (jitted core, consumed states refused), and the
+same numbers as ``ZeroOptimizer`` on the same model."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jzero
+from jzero.core.layout import DEFAULT_MIN_SHARD_SIZE
+
+D, BATCH = 16, 16
+BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+
+
+def batch(seed=0):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return {"x": jax.random.normal(kx, (BATCH, D)), "y": jax.random.normal(ky, (BATCH, D))}
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(D)(jnp.tanh(nn.Dense(2 * D)(x)))
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(D, 2 * D, rngs=rngs), nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jnp.tanh(self.up(x)))
+
+
+def linen_loss(params, batch):
+    pred = LinenMLP().apply({"params": params}, batch["x"].astype(jax.tree.leaves(params)[0].dtype))
+    mse = jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
+    return mse, {"mse": mse}
+
+
+def nnx_loss(model, batch):
+    pred = model(batch["x"].astype(model.up.kernel[...].dtype))
+    mse = jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
+    return mse, {"mse": mse}
+
+
+def linen_state(stage, **kw):
+    variables = LinenMLP().init(jax.random.key(0), jnp.zeros((1, D)))
+    return jzero.linen.TrainState.create(
+        apply_fn=LinenMLP().apply,
+        variables=variables,
+        tx=optax.adam(1e-2),
+        mesh=jzero.data_mesh(),
+        stage=stage,
+        **kw,
+    ), variables["params"]
+
+
+def nnx_state(stage, **kw):
+    model = NNXMLP(nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = jzero.nnx.TrainState.create(
+        model, tx=optax.adam(1e-2), mesh=jzero.data_mesh(), stage=stage, **kw
+    )
+    return state, params
+
+
+def core_run(params, loss, stage, precision, steps=2):
+    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=stage, precision=precision)
+    state, step = opt.init(params), opt.train_step(loss, has_aux=True)
+    for i in range(steps):
+        state, metrics = step(state, batch(i))
+    return opt.full_state(state), metrics
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("precision", [None, BF16])
+def test_linen_equals_core(stage, precision):
+    state, params = linen_state(stage, precision=precision)
+    step = state.train_step(linen_loss, has_aux=True)
+    for i in range(2):
+        state, metrics = step(state, batch(i))
+    want, want_metrics = core_run(params, linen_loss, stage, precision)
+    assert (state.zero.master is not None) == (precision is not None)
+    got = state.opt.full_state(state.zero)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)  # the same program: bit for bit
+    np.testing.assert_array_equal(metrics["aux"]["mse"], want_metrics["aux"]["mse"])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("precision", [None, BF16])
+def test_nnx_equals_core(stage, precision):
+    state, params = nnx_state(stage, precision=precision)
+    step = state.train_step(nnx_loss, has_aux=True)
+    for i in range(2):
+        state, metrics = step(state, batch(i))
+    graphdef, _, rest = nnx.split(NNXMLP(nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(params, batch):
+        return nnx_loss(nnx.merge(graphdef, params, rest), batch)
+
+    want, want_metrics = core_run(params, loss, stage, precision)
+    assert (state.zero.master is not None) == (precision is not None)
+    got = state.opt.full_state(state.zero)
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(metrics["aux"]["mse"], want_metrics["aux"]["mse"])
+
+
+@pytest.mark.parametrize("make", [linen_state, nnx_state])
+def test_min_shard_size_default_and_passed_through(make):
+    state, _ = make(3)
+    assert state.opt.min_shard_size == DEFAULT_MIN_SHARD_SIZE
+    state, _ = make(3, min_shard_size=64)  # the biases (16, 32 elements) stay replicated
+    assert state.opt.min_shard_size == 64
+    sharded = {lay.shape: lay.sharded for lay in state.zero.plan.layouts}
+    assert sharded == {(D,): False, (2 * D,): False, (D, 2 * D): True, (2 * D, D): True}
+
+
+@pytest.mark.parametrize("make, loss", [(linen_state, linen_loss), (nnx_state, nnx_loss)])
+def test_both_steps_refuse_a_consumed_state_and_lower(make, loss):
+    state, _ = make(2)
+    step = state.train_step(loss, has_aux=True)
+    assert type(step) is jzero.adapters.step.AdapterStep
+    hlo = step.lower(state, batch()).compile().as_text()
+    assert "reduce-scatter" in hlo
+    new, _ = step(state, batch())
+    with pytest.raises(ValueError, match="consumed by"):
+        step(state, batch())
+    kept = new.train_step(loss, has_aux=True, donate=False)
+    kept(new, batch())
+    kept(new, batch())  # donate=False: the same state twice
+
+
+def test_nnx_param_specs_argument():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    specs = {"up": {"kernel": jax.P(None, "model"), "bias": jax.P("model")}, "down": None}
+    state = jzero.nnx.TrainState.create(
+        NNXMLP(nnx.Rngs(0)), tx=optax.sgd(0.1), mesh=mesh, stage=3, param_specs=specs
+    )
+    assert state.zero.params["up"]["kernel"].sharding.spec == jax.P("data", "model")
+    assert state.zero.params["down"]["kernel"].sharding.spec == jax.P(None, "data")
+
+
+def test_linen_params_are_gathered_once_per_state():
+    state, _ = linen_state(3)
+    first = state.params
+    assert state.params is first  # no new gather on each access
+    assert first["Dense_0"]["kernel"].shape == (2 * D, D)
+    step = state.train_step(linen_loss, has_aux=True, donate=False)
+    new, _ = step(state, batch())
+    assert new.params is not first
+    assert not np.array_equal(new.params["Dense_0"]["kernel"], first["Dense_0"]["kernel"])
