@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,20 +79,74 @@ def stacked_batch(width: int = 64, batch_size: int = 16) -> dict[str, jax.Array]
     }
 
 
-def reference(tx: optax.GradientTransformation, params, loss_fn, batches):
-    """Plain single-device Optax: the oracle."""
+def make_tx(lr: float = 1e-2, *, eps: float = 1e-6, weight_decay: float | None = None):
+    """Adam (AdamW with ``weight_decay``), the optimizer of the model-level parity tests.
+
+    ``eps`` is large enough that Adam does not turn rounding noise in near-zero gradients
+    into +-lr updates (docs/design.md, "Traps"): the comparison measures jzero, not that
+    noise.
+    """
+    if weight_decay is None:
+        return optax.adam(lr, eps=eps)
+    return optax.adamw(lr, eps=eps, weight_decay=weight_decay)
+
+
+class Reference(NamedTuple):
+    """What plain single-device Optax ends with."""
+
+    params: Any
+    opt_state: Any
+    losses: list[float]
+    model_state: Any  # None unless the loss carries model state
+
+
+def reference(
+    tx: optax.GradientTransformation,
+    params: Any,
+    loss_fn: Callable[..., Any],
+    batches: list[Any],
+    *,
+    model_state: Any = None,
+    groups: int = 1,
+) -> Reference:
+    """Plain single-device Optax on the same data: the oracle.
+
+    ``loss_fn(params, batch) -> loss``; with ``model_state``, ``loss_fn(params, model_state,
+    batch) -> (loss, model_state)``, evaluated on ``groups`` equal slices of each batch (as
+    ``groups`` devices would: the mean of their losses; the new state is the mean of floats
+    and the max of integers over the slices, as jzero makes it agree).
+    """
     device = jax.devices()[0]
     params = jax.device_put(params, device)
-    opt_state = tx.init(params)
+
+    def grouped(params, model_state, batch):
+        if model_state is None:
+            return loss_fn(params, batch), None
+        split = jax.tree.map(lambda x: x.reshape(groups, -1, *x.shape[1:]), batch)
+        losses, states = jax.vmap(loss_fn, in_axes=(None, None, 0))(params, model_state, split)
+        agree = lambda s: s.mean(0) if jnp.issubdtype(s.dtype, jnp.inexact) else s.max(0)
+        return losses.mean(), jax.tree.map(agree, states)
 
     @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    def step(params, opt_state, model_state, batch):
+        (loss, model_state), grads = jax.value_and_grad(grouped, has_aux=True)(
+            params, model_state, batch
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, model_state, loss
 
-    losses = []
+    opt_state, losses = tx.init(params), []
     for batch in batches:
-        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
-        losses.append(loss)
-    return params, opt_state, losses
+        params, opt_state, model_state, loss = step(
+            params, opt_state, model_state, jax.device_put(batch, device)
+        )
+        losses.append(float(loss))
+    return Reference(params, opt_state, losses, model_state)
+
+
+def assert_tree_close(got: Any, want: Any, *, rtol: float, atol: float) -> None:
+    """Leaf by leaf (in tree order, so e.g. a pure dict matches an ``nnx.State``): the same
+    shapes and dtypes, values close."""
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_trees_all_close(got, want, rtol=rtol, atol=atol)

@@ -18,12 +18,14 @@ import re
 import sys
 from pathlib import Path
 
+import _models
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import make_tx, reference
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -41,10 +43,6 @@ D, LAYERS, CLASSES, BATCH, STEPS = 12, 2, 4, 32, 3
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def make_tx():
-    return optax.adam(1e-2, eps=1e-6)
-
-
 def make_batches(n, seed=0):
     keys = jax.random.split(jax.random.key(seed), n)
     return [
@@ -60,35 +58,8 @@ def xent(logits, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def reference(loss_fn, params, model_state, batches, groups):
-    """Plain Optax on one device; ``loss_fn(params, model_state, batch) -> (loss, state)``."""
-    tx = make_tx()
-
-    def grouped(params, model_state, batch):
-        split = jax.tree.map(lambda x: x.reshape(groups, -1, *x.shape[1:]), batch)
-        losses, states = jax.vmap(loss_fn, in_axes=(None, None, 0))(params, model_state, split)
-        agree = lambda s: s.mean(0) if jnp.issubdtype(s.dtype, jnp.inexact) else s.max(0)
-        return losses.mean(), jax.tree.map(agree, states)
-
-    @jax.jit
-    def step(params, opt_state, model_state, batch):
-        (loss, model_state), g = jax.value_and_grad(grouped, has_aux=True)(
-            params, model_state, batch
-        )
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, model_state, loss
-
-    opt_state, losses = tx.init(params), []
-    for batch in batches:
-        params, opt_state, model_state, loss = step(params, opt_state, model_state, batch)
-        losses.append(float(loss))
-    return params, model_state, losses
-
-
 def assert_tree_close(got, want):
-    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
-        assert g.shape == w.shape, path
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+    _models.assert_tree_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 def assert_same_on_every_device(tree):
@@ -131,7 +102,10 @@ def linen_loss(params, model_state, batch):
 def linen_reference():
     variables = LinenMLP().init(jax.random.key(0), jnp.zeros((2, D)))
     params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
-    return variables, reference(linen_loss, params, model_state, make_batches(STEPS), 8)
+    ref = reference(
+        make_tx(), params, linen_loss, make_batches(STEPS), model_state=model_state, groups=8
+    )
+    return variables, (ref.params, ref.model_state, ref.losses)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -235,7 +209,8 @@ def nnx_reference(groups):
         model = nnx.merge(graphdef, params, rest)
         return nnx_loss(model, batch), nnx.state(model, nnx.Not(nnx.Param))
 
-    return reference(loss, params, rest, make_batches(STEPS), groups)
+    ref = reference(make_tx(), params, loss, make_batches(STEPS), model_state=rest, groups=groups)
+    return ref.params, ref.model_state, ref.losses
 
 
 def train_nnx(state):

@@ -23,7 +23,9 @@ def loss_with_aux(params, batch):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_aux_is_the_global_batch_value_and_training_is_unchanged(stage, grad_accum):
     batches = awkward_batches(3)
-    ref_params, _, ref_losses = reference(optax.adam(1e-2), awkward_params(), awkward_loss, batches)
+    ref_params, _, ref_losses, _ = reference(
+        optax.adam(1e-2), awkward_params(), awkward_loss, batches
+    )
     opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=stage)
     state = opt.init(awkward_params())
     step = opt.train_step(loss_with_aux, has_aux=True, grad_accum=grad_accum)

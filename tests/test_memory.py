@@ -98,7 +98,7 @@ def test_remat_layer_matches_single_device_optax(model, stage):
     make_params, loss = MODELS[model]
     batches = [_batch()] * 3
     tx = lambda: optax.adam(1e-3, eps=1e-4)  # eps above gradient rounding noise
-    ref_params, _, ref_losses = reference(tx(), make_params(), loss, batches)
+    ref_params, _, ref_losses, _ = reference(tx(), make_params(), loss, batches)
     opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage)
     state = opt.init(make_params())
     step = opt.train_step(loss, manual_gather=True)

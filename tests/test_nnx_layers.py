@@ -14,9 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from _models import reference
+from _models import make_tx, reference
 from flax import nnx
 
 import jzero
@@ -27,10 +26,6 @@ N, L, D_IN, D, H, D_OUT, B, STEPS = 8, 8, 16, 128, 256, 8, 64, 3
 # Adam's eps=1e-4 sits above the gradients' rounding noise, which Adam would otherwise
 # amplify to ~1e-5 for near-zero gradients (eps=1e-6 gives that on 7 of 262k elements).
 RTOL, ATOL = 1e-6, 1e-6
-
-
-def make_tx():
-    return optax.adam(1e-3, eps=1e-4)
 
 
 class Block(nnx.Module):
@@ -86,14 +81,16 @@ def make_batches(steps):
 
 def create(stage):
     model = Model(nnx.Rngs(0))
-    return jzero.nnx.TrainState.create(model, tx=make_tx(), mesh=jzero.data_mesh(), stage=stage)
+    return jzero.nnx.TrainState.create(
+        model, tx=make_tx(1e-3, eps=1e-4), mesh=jzero.data_mesh(), stage=stage
+    )
 
 
 @functools.cache
 def plain_reference():
     graphdef, params = nnx.split(Model(nnx.Rngs(0)))
     loss = lambda params, batch: loss_fn(nnx.merge(graphdef, params), batch)
-    params, _, losses = reference(make_tx(), params, loss, make_batches(STEPS))
+    params, _, losses, _ = reference(make_tx(1e-3, eps=1e-4), params, loss, make_batches(STEPS))
     return params, losses
 
 
@@ -186,7 +183,9 @@ def test_remat_layer_keeps_batch_stats_updates():
     # itself checked against the one-device oracle in test_flax.py.
     def run(manual):
         model = BNModel(nnx.Rngs(0))
-        state = jzero.nnx.TrainState.create(model, tx=make_tx(), mesh=jzero.data_mesh(), stage=3)
+        state = jzero.nnx.TrainState.create(
+            model, tx=make_tx(1e-3, eps=1e-4), mesh=jzero.data_mesh(), stage=3
+        )
         loss = lambda model, batch: jnp.mean((model(batch["x"], manual=manual) - batch["y"]) ** 2)
         step, losses = state.train_step(loss, manual_gather=manual), []
         for batch in make_batches(2):

@@ -72,7 +72,9 @@ def _run(stage, tx, params, batches, **kw):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_matches_single_device_optax(stage, name):
     params, batches = awkward_params(), awkward_batches(STEPS)
-    ref_params, ref_opt, ref_losses = reference(OPTIMIZERS[name](), params, awkward_loss, batches)
+    ref_params, ref_opt, ref_losses, _ = reference(
+        OPTIMIZERS[name](), params, awkward_loss, batches
+    )
     # min_shard_size=1: every non-scalar leaf is sharded, padded where needed.
     opt, state, losses = _run(stage, OPTIMIZERS[name](), params, batches, min_shard_size=1)
 
@@ -116,7 +118,7 @@ def test_padding_stays_zero(stage):
 
 def test_threshold_keeps_small_leaves_replicated():
     params, batches = awkward_params(), awkward_batches(STEPS)
-    ref_params, _, _ = reference(optax.adam(1e-2), params, awkward_loss, batches)
+    ref_params, _, _, _ = reference(optax.adam(1e-2), params, awkward_loss, batches)
     opt, state, _ = _run(3, optax.adam(1e-2), params, batches, min_shard_size=100)
     sharded = {k for k, lay in zip(sorted(params), state.plan.layouts) if lay.sharded}
     assert sharded == {"emb"}  # 520 elements; the rest have fewer than 100
@@ -140,7 +142,7 @@ def test_scanned_layers_with_a_width_that_does_not_divide(stage):
     # eps well above the gradients' rounding noise: with eps=1e-8, Adam turns a few ulps
     # of summation-order noise on near-zero gradient elements into +-lr steps.
     tx = lambda: optax.adam(1e-2, eps=1e-3)
-    ref_params, _, ref_losses = reference(tx(), params, stacked_loss, batches)
+    ref_params, _, ref_losses, _ = reference(tx(), params, stacked_loss, batches)
     opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage, min_shard_size=1)
     state = opt.init(params)
     assert [lay.dim for lay in state.plan.layouts] == [1, 2]

@@ -31,7 +31,9 @@ def _train(stage, precision, batches, tx=None):
 
 def test_bf16_with_fp32_master_tracks_fp32_reference():
     batches = awkward_batches(5)
-    ref_params, _, ref_losses = reference(optax.adam(1e-2), awkward_params(), awkward_loss, batches)
+    ref_params, _, ref_losses, _ = reference(
+        optax.adam(1e-2), awkward_params(), awkward_loss, batches
+    )
     results = [_train(stage, BF16, batches) for stage in (0, 1, 2, 3)]
     for opt, state, history in results:
         # bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per operation) and the
