@@ -1,5 +1,6 @@
-"""jzero.report on 8 CPU devices: collective bytes and model-state bytes, computed by hand."""
+"""jzero.report on 8 CPU devices (and 1): collective and model-state bytes, computed by hand."""
 
+import dataclasses
 import json
 import math
 
@@ -41,10 +42,11 @@ def _batch() -> dict[str, jax.Array]:
     return {"x": jax.random.normal(kx, (B, D)), "y": jax.random.normal(ky, (B, D))}
 
 
-def _make(model: str, stage: int, tx: optax.GradientTransformation):
-    opt = jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=stage, min_shard_size=1)
+def _make(model: str, stage: int, tx: optax.GradientTransformation, devices=None):
+    mesh = jzero.data_mesh(devices)
+    opt = jzero.ZeroOptimizer(tx, mesh, stage=stage, min_shard_size=1)
     state = opt.init(_params(model))
-    assert all(lay.sharded for lay in state.plan.layouts) == (stage > 0)
+    assert all(lay.sharded for lay in state.plan.layouts) == (stage > 0 and mesh.size > 1)
     return report(opt.train_step(_loss_fn, manual_gather=True), state, _batch()), state
 
 
@@ -137,3 +139,30 @@ def test_mixed_precision_master_weights_count_as_optimizer_state():
     assert rep.params_bytes == 2 * psi // N
     assert rep.opt_bytes == 12 * psi // N + 4  # master + two moments, + Adam's int32 count
     assert rep.model_state_ratio == pytest.approx(1.0, abs=1e-3)  # 2 + 2 + K over N
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_device_has_no_comm_ratio_and_no_nan(stage):
+    rep, _ = _make("bias", stage, optax.adam(1e-3), devices=jax.devices()[:1])
+    assert (rep.devices, rep.comm_bytes["total"], rep.theory_comm_bytes) == (1, 0.0, 0.0)
+    assert rep.comm_ratio is None
+    assert rep.model_state_ratio == pytest.approx(1.0, abs=1e-3)
+    d = json.loads(json.dumps(rep.to_dict(), allow_nan=False))
+    assert d["comm_ratio"] is None and d["model_state_ratio"] == rep.model_state_ratio
+    text = str(rep)
+    assert "nan" not in text.lower()
+    assert text.splitlines()[0] == f"jzero stage {stage} on 1 device, {rep.num_params:,} params"
+    (comm,) = [line for line in text.splitlines() if line.startswith("comm / step (ring)")]
+    assert comm.split()[-3:] == ["0", "0", "-"]
+    assert text.splitlines()[-1] == "note: no communication on 1 device, so no comm ratio."
+
+
+def test_zero_theory_model_states_has_no_ratio():
+    rep, _ = _make("bias", 0, optax.sgd(0.1), devices=jax.devices()[:1])
+    rep = dataclasses.replace(rep, theory_model_state_bytes=0.0)
+    assert rep.model_state_ratio is None
+    assert json.loads(json.dumps(rep.to_dict(), allow_nan=False))["model_state_ratio"] is None
+    text = str(rep)
+    (states,) = [line for line in text.splitlines() if line.startswith("model states")]
+    assert states.split()[-2:] == ["0", "-"]
+    assert "note: no model states in theory (0 parameters), so no model-state ratio." in text

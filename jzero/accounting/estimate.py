@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import re
-from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 Stage = Literal[0, 1, 2, 3]
@@ -27,7 +25,6 @@ STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 # moments = 12. fp32: the parameters are already the fp32 master, so two moments = 8.
 DEFAULT_K = {"mixed": 12, "fp32": 8}
 _PARAM_BYTES = {"mixed": 2, "fp32": 4}  # bytes per parameter of params, and of grads
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,23 +230,9 @@ def stage_table(**kwargs: Any) -> tuple[Estimate, ...]:
     return tuple(estimate(stage=stage, **kwargs) for stage in STAGES)
 
 
-def parse_bytes(text: str) -> float:
-    """Parses a memory size: bytes ("80e9") or with a unit ("80GB", "80 GiB", "512MB")."""
-    number = r"(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?"
-    m = re.fullmatch(rf"\s*({number})\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
-    if m is None:
-        raise ValueError(
-            f"cannot parse memory size {text!r}: write bytes (80e9) or a number with a "
-            "unit (80GB, 80GiB, 512MB)."
-        )
-    unit = (m.group(2) or "").lower()  # "", "g" (1e9) or "gi" (2**30), ...
-    scale = 1024.0 ** " kmgt".index(unit[0]) if unit.endswith("i") else _UNITS[unit]
-    return float(m.group(1)) * scale
-
-
 def max_params(
     *,
-    device_memory: float | str,
+    device_memory: float,
     devices: int,
     stage: Stage,
     largest_layer_fraction: float = 0.0,
@@ -261,15 +244,20 @@ def max_params(
     `estimate(Ψ) <= device_memory < estimate(Ψ + 1)` exactly. Returns 0 if nothing fits.
 
     Args:
-        device_memory: bytes per device, or a string such as "80GB" (see `parse_bytes`).
+        device_memory: bytes per device, e.g. 80e9 (the command line's
+            `jzero.cli.units.parse_bytes` reads "80GB" or "80GiB").
         devices: data-parallel degree N.
         stage: ZeRO stage, 0 to 3.
         largest_layer_fraction: the largest layer as a fraction of Ψ (0 to 1), added to a
             fixed `largest_layer_params` count if one is given.
         **kwargs: the other keyword arguments of `estimate` (k, precision, ...).
     """
-    memory = parse_bytes(device_memory) if isinstance(device_memory, str) else device_memory
-    _check_nonneg(device_memory=memory, largest_layer_fraction=largest_layer_fraction)
+    if isinstance(device_memory, str):
+        raise ValueError(
+            f"device_memory must be a number of bytes, got the string {device_memory!r}: "
+            "pass e.g. 80e9, or convert it with jzero.cli.units.parse_bytes(...)."
+        )
+    _check_nonneg(device_memory=device_memory, largest_layer_fraction=largest_layer_fraction)
     if largest_layer_fraction > 1:
         raise ValueError(
             f"largest_layer_fraction must be at most 1, got {largest_layer_fraction}: "
@@ -286,72 +274,11 @@ def max_params(
         return e.total_bytes
 
     base = total(0)
-    if base > memory:
+    if base > device_memory:
         return 0
-    psi = int((memory - base) / total(1, constants=False))
-    while psi > 0 and total(psi) > memory:  # correct float rounding, in steps of one
+    psi = int((device_memory - base) / total(1, constants=False))
+    while psi > 0 and total(psi) > device_memory:  # correct float rounding, in steps of one
         psi -= 1
-    while total(psi + 1) <= memory:
+    while total(psi + 1) <= device_memory:
         psi += 1
     return psi
-
-
-def format_params(count: float) -> str:
-    """A parameter count for people: 7.5e9 -> "7.5B", 1e12 -> "1T"."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if count >= scale:
-            return f"{count / scale:.4g}{suffix}"
-    return f"{count:.4g}"
-
-
-def plot_model_states(
-    path: str,
-    *,
-    params: float,
-    devices: Sequence[int] = tuple(2**i for i in range(11)),
-    k: float | None = None,
-    precision: Precision = "mixed",
-    model_parallel: int = 1,
-    measured: Mapping[int, Sequence[tuple[int, float]]] | None = None,
-) -> None:
-    """Writes a PNG of model-state bytes per device vs N for stages 0-3 (ZeRO Figure 1).
-
-    Args:
-        path: output file, e.g. "memory.png".
-        params, k, precision, model_parallel: as in `estimate`.
-        devices: data-parallel degrees on the (log2) x axis.
-        measured: optional measurements to overlay as markers, {stage: [(N, bytes), ...]}.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError(
-            "plot_model_states needs matplotlib: pip install 'jzero[examples]'"
-        ) from e
-    measured = dict(measured or {})
-    for stage in measured:
-        _check_stage(stage)
-    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    opts = dict(params=params, k=k, precision=precision, model_parallel=model_parallel)
-    for stage in STAGES:
-        gb = [estimate(devices=n, stage=stage, **opts).model_state_bytes / 1e9 for n in devices]
-        (line,) = ax.plot(devices, gb, label=f"stage {stage} ({STAGE_NAMES[stage]})")
-        if measured.get(stage):
-            xs, ys = zip(*measured[stage], strict=True)
-            label = f"stage {stage} measured"
-            ax.plot(xs, [y / 1e9 for y in ys], "o", color=line.get_color(), label=label)
-    k_shown = DEFAULT_K.get(precision) if k is None else k
-    ax.set(
-        yscale="log",
-        xlabel="data-parallel devices N",
-        ylabel="model states per device (GB)",
-        title=f"Ψ = {format_params(params)}, K = {k_shown:g}, {precision}, M = {model_parallel}",
-    )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(devices), [str(n) for n in devices])
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.savefig(path, dpi=120)

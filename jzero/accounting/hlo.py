@@ -14,6 +14,8 @@ import math
 import re
 from typing import NamedTuple
 
+from .._table import table
+
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 # Computation header, e.g. `ENTRY %main.10 (p: f32[8]) -> f32[8] {` (never indented).
@@ -202,11 +204,4 @@ def summary_table(colls: list[Collective]) -> str:
         rows.append((c.kind, c.dtype, shape, str(c.group_size), trips, ring, total, c.computation))
     if all(c.trip_count is not None for c in colls):
         rows.append(("total", "", "", "", "", "", f"{comm_bytes(colls)['total']:,.0f}", ""))
-    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
-    lines = []
-    for row in rows:  # numbers (columns 3 to 6) right-aligned
-        cells = zip(row, widths, strict=True)
-        lines.append(
-            "  ".join(v.rjust(w) if 3 <= i <= 6 else v.ljust(w) for i, (v, w) in enumerate(cells))
-        )
-    return "\n".join(line.rstrip() for line in lines)
+    return table(rows, right={3, 4, 5, 6})  # the numbers: group, trips and the bytes

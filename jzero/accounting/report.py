@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._table import table
 from ..core.plan import Plan
 from ..core.state import ZeroState
 from .estimate import theory_comm_bytes, theory_model_state_bytes
@@ -29,8 +30,9 @@ CPU_NOTE = (
 )
 
 
-def _ratio(measured: float, theory: float) -> float:
-    return measured / theory if theory else math.nan
+def _ratio(measured: float, theory: float) -> float | None:
+    """measured / theory; None when the theory is 0 (e.g. no communication on 1 device)."""
+    return measured / theory if theory else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +80,20 @@ class Report:
         return self.params_bytes + self.grads_bytes + self.opt_bytes
 
     @property
-    def model_state_ratio(self) -> float:
+    def model_state_ratio(self) -> float | None:
+        """Measured over theory model states; None when the theory is 0 (no parameters)."""
         return _ratio(self.model_state_bytes, self.theory_model_state_bytes)
 
     @property
-    def comm_ratio(self) -> float:
+    def comm_ratio(self) -> float | None:
+        """Measured over theory communication; None when the theory is 0 (one device)."""
         return _ratio(self.comm_bytes["total"], self.theory_comm_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything as JSON-able numbers, lists and strings (ratios included)."""
+        """Everything as JSON-able numbers, lists and strings; an undefined ratio is None.
+
+        No NaN or infinity anywhere, so ``json.dumps(..., allow_nan=False)`` accepts it.
+        """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["collectives"] = [
             c._asdict() | {"shape": list(c.shape), "ring_bytes": c.ring_bytes}
@@ -100,31 +107,40 @@ class Report:
         }
 
     def __str__(self) -> str:
-        row = lambda name, b, theory=None, ratio=None: (
+        ratio = lambda r: "-" if r is None else f"{r:.4f}"  # None: theory 0, see the notes
+        row = lambda name, b, theory=None, r="": (
             name,
             f"{b:,.0f}",
             "" if theory is None else f"{theory:,.0f}",
-            "" if ratio is None else f"{ratio:.4f}",
+            r,
         )
-        states, comm = self.model_state_bytes, self.comm_bytes["total"]
+        states, theory_states = self.model_state_bytes, self.theory_model_state_bytes
+        comm = self.comm_bytes["total"]
         rows = [
             ("per device", "measured", "theory", "ratio"),
             row("params", self.params_bytes),
             row("grads (from plan)", self.grads_bytes),
             row("optimizer state", self.opt_bytes),
-            row("model states", states, self.theory_model_state_bytes, self.model_state_ratio),
+            row("model states", states, theory_states, ratio(self.model_state_ratio)),
             row("peak (compiled)", self.peak_bytes),
-            row("comm / step (ring)", comm, self.theory_comm_bytes, self.comm_ratio),
+            row("comm / step (ring)", comm, self.theory_comm_bytes, ratio(self.comm_ratio)),
         ]
         rows += [row(f"  {k}", v) for k, v in self.comm_bytes.items() if k != "total"]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        fmt = lambda r: "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
-        )
-        head = f"jzero stage {self.stage} on {self.devices} devices, {self.num_params:,} params"
-        lines = [head, *map(fmt, rows), "", summary_table(list(self.collectives))]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(line.rstrip() for line in lines)
+        devices = f"{self.devices} device" + ("s" if self.devices != 1 else "")
+        head = f"jzero stage {self.stage} on {devices}, {self.num_params:,} params"
+        lines = [head, table(rows, right={1, 2, 3}), "", summary_table(list(self.collectives))]
+        lines += [f"note: {n}" for n in (*self.notes, *self._ratio_notes())]
+        return "\n".join(lines)
+
+    def _ratio_notes(self) -> list[str]:
+        """Why a ratio prints as "-": its theory is 0 bytes, so measured / theory is undefined."""
+        notes = []
+        if self.model_state_ratio is None:
+            notes.append("no model states in theory (0 parameters), so no model-state ratio.")
+        if self.comm_ratio is None:
+            where = "on 1 device" if self.devices == 1 else "in theory"
+            notes.append(f"no communication {where}, so no comm ratio.")
+        return notes
 
 
 def _shard_bytes(tree: Any) -> int:

@@ -5,20 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
+from .._table import table
 from ..accounting.estimate import (
     DEFAULT_K,
     STAGE_NAMES,
     STAGES,
     estimate,
-    format_params,
     max_params,
-    parse_bytes,
-    plot_model_states,
     transformer_activation_bytes,
 )
+from .plot import plot_model_states, read_measured
+from .units import format_params, parse_bytes, parse_params
 
+_PROG = "python -m jzero"
 _ACTIVATION_FLAGS = ("batch", "seq", "hidden", "layers")
 _COLUMNS = {
     "params": "params_bytes",
@@ -32,34 +34,61 @@ _COLUMNS = {
 }
 
 
+class _BadInput(Exception):
+    """A one-line ``prog: error: message`` for `main` to print before returning 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and leave exiting to `main`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _BadInput(f"{self.prog}: error: {message}")
+
+
+def _converter(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` for argparse's ``type=``: its ValueError's message is shown as it is."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jzero", description="jzero tools.")
+    parser = _Parser(prog=_PROG, description="jzero tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser(
         "estimate",
         help="per-device memory of ZeRO stages 0-3",
         description="Per-device memory of ZeRO stages 0-3 (GB = 1e9 bytes), or with "
-        "--device-memory the largest model that fits.",
+        "--device-memory the largest model that fits. Counts take K/M/B/T suffixes (7.5B), "
+        "sizes decimal or binary units (80GB, 80GiB).",
     )
-    p.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9")
+    params = _converter(parse_params)
+    p.add_argument("--params", type=params, help="parameter count, e.g. 7.5B or 7.5e9")
     p.add_argument("--devices", type=int, required=True, help="data-parallel degree N")
     p.add_argument("--stage", type=int, help="one stage, 0-3 (default: all four)")
     p.add_argument("--k", type=float, help="optimizer bytes per param (default 12 mixed, 8 fp32)")
     p.add_argument("--precision", default="mixed", help="mixed (default) or fp32")
     p.add_argument("--model-parallel", type=int, default=1, help="tensor-parallel degree M")
-    p.add_argument("--largest-layer", type=float, default=0.0, help="params of largest layer")
+    p.add_argument("--largest-layer", type=params, default=0.0, help="params of largest layer")
     p.add_argument("--prefetch", action="store_true", help="stage 3 gathers two layers at once")
     for flag in _ACTIVATION_FLAGS:
         p.add_argument(f"--{flag}", type=int, help="transformer activations (give all four)")
     p.add_argument("--heads", type=int, help="attention heads (adds the s^2 score term)")
     p.add_argument("--checkpointing", action="store_true", help="full activation checkpointing")
-    p.add_argument("--buffer-bytes", type=float, default=0.0, help="communication buffers")
-    p.add_argument("--device-memory", help="answer the inverse: largest model in e.g. 80GB")
+    size = _converter(parse_bytes)
+    p.add_argument("--buffer-bytes", type=size, default=0.0, help="communication buffers")
+    p.add_argument("--device-memory", type=size, help="the inverse: largest model in e.g. 80GB")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="plot model states vs N (ZeRO Figure 1)")
     p.add_argument(
         "--measured",
         metavar="BENCH.json",
+        type=_converter(read_measured),
         help="overlay the model-state bytes that scripts/bench.py --json measured",
     )
     return parser
@@ -82,16 +111,9 @@ def _activation_bytes(args: argparse.Namespace) -> float:
     )
 
 
-def _align(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 1 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    return "\n".join(lines)
+def _numbers(rows: list[list[str]]) -> str:
+    """Every column right-aligned but the stage name (column 1)."""
+    return table(rows, right=set(range(len(rows[0]))) - {1})
 
 
 def _format(result: dict) -> str:
@@ -107,7 +129,7 @@ def _format(result: dict) -> str:
             rows.append([str(e["stage"]), STAGE_NAMES[e["stage"]]])
             rows[-1] += [f"{e[key] / 1e9:.2f}" for key in _COLUMNS.values()]
         title = f"Memory per device in GB (1e9 bytes): {format_params(inp['params'])} params, "
-        parts.append(title + setting + "\n" + _align(rows))
+        parts.append(title + setting + "\n" + _numbers(rows))
     if "max_params" in result:
         rows = [["stage", "name", "max params", "total GB"]]
         for m in result["max_params"]:
@@ -116,7 +138,7 @@ def _format(result: dict) -> str:
                 [str(m["stage"]), STAGE_NAMES[m["stage"]], format_params(m["params"]), total]
             )
         memory = inp["device_memory_bytes"] / 1e9
-        parts.append(f"Largest model in {memory:g} GB per device: {setting}\n" + _align(rows))
+        parts.append(f"Largest model in {memory:g} GB per device: {setting}\n" + _numbers(rows))
     return "\n\n".join(parts)
 
 
@@ -127,7 +149,9 @@ def _estimate(args: argparse.Namespace) -> int:
             "--device-memory (largest model that fits)."
         )
     if args.plot and args.params is None:
-        raise ValueError("--plot draws one model: add --params, e.g. --params 7.5e9.")
+        raise ValueError("--plot draws one model: add --params, e.g. --params 7.5B.")
+    if args.measured is not None and not args.plot:
+        raise ValueError("--measured overlays points on a plot: add --plot FILE.png.")
     common = dict(
         devices=args.devices,
         k=args.k,
@@ -146,46 +170,37 @@ def _estimate(args: argparse.Namespace) -> int:
         estimates = [estimate(params=args.params, stage=s, **common) for s in stages]
         result["estimates"] = [e.to_dict() for e in estimates]
     if args.device_memory is not None:
-        inputs["device_memory_bytes"] = memory = parse_bytes(args.device_memory)
+        inputs["device_memory_bytes"] = args.device_memory
         result["max_params"] = []
         for stage in stages:
-            psi = max_params(device_memory=memory, stage=stage, **common)
+            psi = max_params(device_memory=args.device_memory, stage=stage, **common)
             total = estimate(params=psi, stage=stage, **common).total_bytes if psi else 0.0
             result["max_params"].append({"stage": stage, "params": psi, "total_bytes": total})
     if args.plot:
         opts = {key: common[key] for key in ("k", "precision", "model_parallel")}
-        measured = _measured(args.measured) if args.measured else None
-        plot_model_states(args.plot, params=args.params, measured=measured, **opts)
+        try:
+            plot_model_states(args.plot, params=args.params, measured=args.measured, **opts)
+        except OSError as e:
+            raise ValueError(
+                f"--plot {args.plot}: cannot write it ({e.strerror or e}); give a path in an "
+                "existing, writable folder."
+            ) from None
         print(f"wrote {args.plot}", file=sys.stderr)
     print(json.dumps(result, indent=2) if args.json else _format(result))
     return 0
 
 
-def _measured(path: str) -> dict[int, list[tuple[int, float]]]:
-    """{stage: [(N, bytes)]} from a benchmark JSON (docs/design.md §5); jzero runs only."""
-    try:
-        with open(path) as f:
-            bench = json.load(f)
-        runs, devices = bench["runs"], bench["devices"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"--measured {path}: not a benchmark JSON ({e}); write one with "
-            "python scripts/bench.py --json PATH."
-        ) from None
-    out: dict[int, list[tuple[int, float]]] = {}
-    for run in runs:
-        if run["name"] in ("dp", "zero1", "zero2", "zero3"):
-            out.setdefault(run["stage"], []).append(
-                (devices, float(run["model_state_bytes_per_device"]))
-            )
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs ``python -m jzero estimate ...``; returns the exit status (2 on bad input)."""
-    args = _parser().parse_args(argv)
+    """Runs ``python -m jzero estimate ...``; returns the exit status (2 on bad input).
+
+    Bad input is reported on stderr as one line, ``python -m jzero estimate: error: ...``,
+    naming the problem and the fix.
+    """
     try:
-        return _estimate(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _estimate(_parser().parse_args(argv))
+    except _BadInput as e:
+        message = str(e)
+    except (ValueError, ImportError) as e:
+        message = f"{_PROG} estimate: error: {e}"
+    print(message, file=sys.stderr)
+    return 2
