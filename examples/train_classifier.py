@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from devices import setup_devices
 from flax import nnx
+from progress import trend
 
 import jzero
 
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step:4d}  loss {losses[-1]:.4f}")
 
     acc = accuracy(state.model(), x_test, y_test)
-    print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}, test accuracy {acc:.3f}")
-    print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
+    print(f"{trend('loss', losses[0], losses[-1])}, test accuracy {acc:.3f}")
     return 0
 
 

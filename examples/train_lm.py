@@ -4,9 +4,11 @@
     python examples/train_lm.py --stage 1 --steps 100 --out runs/zero1
 
 Without a GPU/TPU the script forces ``--cpu-devices`` CPU devices (default 8) so that the
-data axis is real; on GPUs it uses all of them. Writes OUT/train.log (one line per step)
-and OUT/loss.png, prints the layout summary, the loss, a text sample and (when the library
-provides it) ``jzero.report``. Tensor names carry their shapes (B batch, T time, V vocab).
+data axis is real; on GPUs it uses all of them. The last ``--val-fraction`` of the text is
+held out of training and scored every ``--eval-every`` steps. Writes OUT/train.log (one
+line per step and per evaluation) and OUT/loss.png, prints the layout summary, the training
+and validation loss, a text sample and ``jzero.report``. Tensor names carry their shapes
+(B batch, T time, V vocab, N validation windows).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import optax
 from devices import setup_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from progress import trend
 from tqdm import tqdm
 
 import jzero
@@ -44,11 +47,20 @@ PRECISIONS = {
 }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=3)
-    p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--batch-size", type=int, default=32, help="global; a multiple of devices")
+    p.add_argument("--steps", type=positive_int, default=800)
+    p.add_argument(
+        "--batch-size", type=positive_int, default=32, help="global; a multiple of devices x K"
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument(
         "--precision",
@@ -57,18 +69,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="bf16/fp16: 16-bit params and compute, fp32 master weights and gradient "
         "reduction; fp16 adds dynamic loss scaling",
     )
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="K micro-batches per step")
+    p.add_argument("--d-model", type=positive_int, default=128)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument(
+        "--val-fraction", type=float, default=0.1, help="end of the text held out of training"
+    )
+    p.add_argument("--eval-every", type=positive_int, default=50, help="steps between evals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/train_lm"))
     p.add_argument("--sample-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--prompt", default="And God said")
     p.add_argument("--cpu-devices", type=int, default=8, help="CPU devices forced without GPU")
-    return p.parse_args(argv)
+    return p
 
 
 def make_logger(out: Path) -> logging.Logger:
@@ -99,6 +115,23 @@ def layout_summary(state: jzero.ZeroState) -> str:
     )
 
 
+def make_eval_loss(cfg: gpt.GPTConfig):
+    """Jitted ``eval_loss(params, windows) -> float32[]``: mean next-byte cross-entropy over
+    the real windows of :func:`data.eval_windows` (padding has weight 0). ``params`` are full
+    arrays (``opt.full_params``); windows sharded over 'data' split the work over devices."""
+
+    @jax.jit
+    def eval_loss(params, windows):
+        tokens_NxTp1, weight_N = windows["tokens"], windows["weight"]
+        logits_NxTxV = gpt.logits_fn(cfg, params, tokens_NxTp1[:, :-1]).astype(jnp.float32)
+        losses_NxT = optax.softmax_cross_entropy_with_integer_labels(
+            logits_NxTxV, tokens_NxTp1[:, 1:]
+        )
+        return jnp.sum(losses_NxT.mean(axis=1) * weight_N) / jnp.sum(weight_N)
+
+    return eval_loss
+
+
 def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: int) -> str:
     """Autoregressive sampling on one device, over a sliding window of ``cfg.seq_len``."""
     params = jax.device_put(params, jax.devices()[0])
@@ -122,8 +155,27 @@ def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     devices = setup_devices(args.cpu_devices)
+    # Each device takes batch-size / devices rows, split again into grad-accum micro-batches.
+    n, k = len(devices), args.grad_accum
+    if args.batch_size % (n * k):
+        parser.error(
+            f"--batch-size {args.batch_size} does not split over {n} device{'s' * (n > 1)} × "
+            f"{k} micro-batch{'es' * (k > 1)}; use a multiple of {n * k}"
+        )
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction {args.val_fraction} is not between 0 and 1 (default 0.1)")
+    corpus = data.load_corpus()
+    train_text, val_text = data.split(corpus, args.val_fraction)
+    if len(val_text) < args.seq_len + 1 or len(train_text) < args.seq_len + 2:
+        parser.error(
+            f"--seq-len {args.seq_len} needs windows of {args.seq_len + 1} bytes, but "
+            f"--val-fraction {args.val_fraction} splits the {len(corpus):,}-byte text into "
+            f"{len(train_text):,} training and {len(val_text):,} held-out bytes; "
+            "lower --seq-len or change --val-fraction"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     log = make_logger(args.out)
     log.info("args %s", vars(args))
@@ -137,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         n_layers=args.layers,
         dtype=precision.param_dtype,
     )
-    corpus = data.load_corpus()
-    batches = data.batches(corpus, batch_size=args.batch_size, seq_len=cfg.seq_len, seed=args.seed)
+    batches = data.batches(
+        train_text, batch_size=args.batch_size, seq_len=cfg.seq_len, seed=args.seed
+    )
 
     # ---------------------------------------------------------------- jzero
     mesh = jzero.data_mesh(devices)
@@ -159,9 +212,28 @@ def main(argv: list[str] | None = None) -> int:
         gpt.make_loss_fn(cfg), manual_gather=True, grad_accum=args.grad_accum
     )
     batch_sharding = NamedSharding(mesh, P("data"))
+    # Validation: the held-out text tiled once, padded to whole windows per device. It is
+    # scored on the full parameters (gathered, replicated), the windows split over 'data'.
+    val_windows = data.eval_windows(val_text, seq_len=cfg.seq_len, multiple_of=len(devices))
+    val_windows = jax.device_put(val_windows, batch_sharding)
+    eval_loss = make_eval_loss(cfg)
+    n_val = int(val_windows["weight"].sum())
+    print(
+        f"data: {len(train_text):,} bytes train, {len(val_text):,} held out "
+        f"(last {args.val_fraction:.0%}, {n_val} windows of {cfg.seq_len} targets)"
+    )
 
     # ---------------------------------------------------------------- train
-    losses: list[float] = []
+    losses: list[float] = []  # training loss at step i: on params after i updates
+    val_losses: list[tuple[int, float]] = []  # (updates done, validation loss)
+
+    def evaluate(steps_done: int) -> float:
+        val_loss = float(eval_loss(opt.full_params(state), val_windows))
+        val_losses.append((steps_done, val_loss))
+        log.info("validation loss %.4f after %d steps", val_loss, steps_done)
+        return val_loss
+
+    val_loss = evaluate(0)
     tokens_per_step = args.batch_size * cfg.seq_len
     bar = tqdm(range(args.steps), desc=f"zero{args.stage}", dynamic_ncols=True)
     for step in bar:
@@ -171,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         loss = float(metrics["loss"])  # waits for the step
         dt = time.perf_counter() - t0
         losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val_loss = evaluate(step + 1)
+        tok_s = f"{tokens_per_step / dt:,.0f}"
+        bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": tok_s})
         log.info(
             "step %d loss %.4f grad_norm %.4f lr %.2e step_s %.3f tokens_per_s %.0f",
             step,
@@ -183,16 +258,25 @@ def main(argv: list[str] | None = None) -> int:
         )
     bar.close()
 
-    print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}")
-    print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
-    log.info("loss fell from %.4f to %.4f", losses[0], losses[-1])
+    best_step, best = min(val_losses, key=lambda sv: sv[1])
+    summary = [
+        f"{trend('loss', losses[0], losses[-1])} (training batches)",
+        f"{trend('validation loss', val_losses[0][1], val_losses[-1][1])} (held-out text); "
+        f"lowest {best:.4f} after {best_step} steps",
+    ]
+    for line in summary:
+        print(line)
+        log.info("%s", line)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(losses)
+    ax.plot(losses, lw=0.8, label="training (batch)")
+    ax.plot(*zip(*val_losses), "o-", ms=3, label="validation (held out)")
     ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"GPT, ZeRO stage {args.stage}")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(args.out / "loss.png", dpi=100)
     plt.close(fig)
+    print(f"wrote {args.out / 'train.log'} and {args.out / 'loss.png'}")
 
     # ---------------------------------------------------------------- sample
     params = opt.full_params(state)
@@ -201,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     log.info("sample %r", text)
 
-    # jzero.report is being written alongside this example; use it once it exists.
-    if hasattr(jzero, "report"):
-        print(jzero.report(train_step, state, batch))
+    print(jzero.report(train_step, state, batch))
 
     for handler in list(log.handlers):
         handler.close()

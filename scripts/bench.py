@@ -9,7 +9,11 @@ and step time, each beside docs/design.md §1's theory where there is one.
 
     python scripts/bench.py                        # readable table
     python scripts/bench.py --json out.json        # docs/design.md §5's JSON
-    python scripts/bench.py --quick                # small model, few steps (~1 min)
+    python scripts/bench.py --quick                # small model, few steps (~20 s)
+
+``--quick`` checks only the design targets that hold at any model size (model states and
+dp/zero1/zero2 communication against theory, final losses against dp); the peak, step-time
+and zero3-communication targets need the full-size model and are skipped, saying so.
 
 Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Field notes:
 
@@ -42,7 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero import report
+from jzero import _table, report
 from jzero.accounting import collectives, comm_bytes, theory_comm_bytes, theory_model_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -56,7 +60,9 @@ COMM_KEYS = ("all-reduce", "reduce-scatter", "all-gather", "other", "total")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write docs/design.md §5's JSON here")
-    ap.add_argument("--quick", action="store_true", help="small model, few steps")
+    ap.add_argument(
+        "--quick", action="store_true", help="small model, few steps, size-independent targets"
+    )
     ap.add_argument("--layers", type=int, help="transformer blocks (default 8; quick 2)")
     ap.add_argument("--d-model", type=int, help="width (default 256; quick 64)")
     ap.add_argument("--heads", type=int, default=4)
@@ -229,8 +235,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def table(result: dict[str, Any]) -> str:
-    """The runs as an aligned text table (bytes in KB = 1e3), then the design targets."""
+def table(result: dict[str, Any], *, quick: bool = False) -> str:
+    """The runs as an aligned text table (bytes in KB = 1e3), then the design targets
+    (``quick``: only those that hold at any model size, see :func:`checks`)."""
     m = result["model"]
     head = (
         f"{m['name']}: {m['params']:,} params ({m['dtype']}), {result['devices']} "
@@ -248,48 +255,69 @@ def table(result: dict[str, Any]) -> str:
             f"{r['step_ms_median']:.1f}",
             f"{r['loss_first']:.4f} -> {r['loss_last']:.6f}",
         ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    fmt = lambda row: "  ".join(
-        c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-    )
-    lines = [head, *map(fmt, rows)]
-    return "\n".join([*lines, "", *checks(result)])
+    body = _table.table(rows, right={1, 2, 3, 4, 5, 6})
+    return "\n".join([head, body, "", *checks(result, quick=quick)])
 
 
-def checks(result: dict[str, Any]) -> list[str]:
-    """docs/design.md targets, each as 'PASS'/'FAIL' with the measured numbers."""
+# Targets --quick checks: exact accounting and numerics, true at any model size. The others
+# hold only where model states dominate memory and compute dominates the step: on a small
+# model activations set the peak, the fixed cost of each collective sets the step time, and
+# the leaves backward does not re-gather (their values are not needed: biases, LayerNorm
+# scales) take zero3's comm below theory: 0.95 at --quick's 118,528 params, and 0.67 on one
+# layer of width 32 (tests/test_bench.py), where backward re-gathers nothing.
+QUICK_TARGETS = ("states", "comm", "loss")
+QUICK_CHECKS = "states/theory (zero1-3), comm/theory (dp, zero1, zero2), final loss vs dp"
+QUICK_SKIPS = (
+    "--quick skips the peak, step-time and zero3 comm targets, which hold only at scale: on a "
+    "small model activations set the peak, collective latency the step time, and zero3's "
+    "backward re-gathers a smaller share; run without --quick to check them"
+)
+
+
+def checks(result: dict[str, Any], *, quick: bool = False) -> list[str]:
+    """docs/design.md targets, each as 'PASS'/'FAIL' with the measured numbers; with
+    ``quick``, only the QUICK_TARGETS, between a line naming them and one on the rest."""
     runs = {r["name"]: r for r in result["runs"]}
-    out = []
+    found: list[tuple[str, bool, str]] = []  # (target, ok, what was measured)
     ratio = lambda r, a, b: r[a] / r[b] if r[b] else math.nan
     for name in ("zero1", "zero2", "zero3"):
         if name in runs:
             r = runs[name]
             s = ratio(r, "model_state_bytes_per_device", "theory_model_state_bytes_per_device")
             c = r["comm_bytes_per_device"]["total"] / r["theory_comm_bytes_per_device"]
-            out.append(f"{'PASS' if abs(s - 1) <= 0.01 else 'FAIL'} {name} states/theory {s:.4f}")
-            out.append(f"{'PASS' if abs(c - 1) <= 0.02 else 'FAIL'} {name} comm/theory {c:.4f}")
+            found.append(("states", abs(s - 1) <= 0.01, f"{name} states/theory {s:.4f}"))
+            target = "zero3 comm" if name == "zero3" else "comm"
+            found.append((target, abs(c - 1) <= 0.02, f"{name} comm/theory {c:.4f}"))
     if "dp" in runs:
         dp = runs["dp"]
         c = dp["comm_bytes_per_device"]["total"] / dp["theory_comm_bytes_per_device"]
-        out.append(f"{'PASS' if abs(c - 1) <= 0.02 else 'FAIL'} dp comm/theory {c:.4f}")
+        found.append(("comm", abs(c - 1) <= 0.02, f"dp comm/theory {c:.4f}"))
         if "zero3" in runs:
             p = runs["zero3"]["peak_bytes_per_device"] / dp["peak_bytes_per_device"]
-            out.append(f"{'PASS' if p <= 0.25 else 'FAIL'} zero3 peak / dp peak {p:.3f} <= 0.25")
+            found.append(("peak", p <= 0.25, f"zero3 peak / dp peak {p:.3f} <= 0.25"))
         for name in ("zero1", "zero2"):
             if name in runs:
                 t = runs[name]["step_ms_median"] / dp["step_ms_median"]
-                out.append(f"{'PASS' if t <= 1.10 else 'FAIL'} {name} time / dp {t:.3f} <= 1.10")
+                found.append(("time", t <= 1.10, f"{name} time / dp {t:.3f} <= 1.10"))
         for name, r in runs.items():
-            d = abs(r["loss_last"] - dp["loss_last"]) / abs(dp["loss_last"])
-            ok = d <= 1e-5  # fp32 rounding of a few-step run, summed in another order
-            out.append(f"{'PASS' if ok else 'FAIL'} {name} final loss rel. diff vs dp {d:.2e}")
+            if name != "dp":
+                d = abs(r["loss_last"] - dp["loss_last"]) / abs(dp["loss_last"])
+                # fp32 rounding of a few-step run, summed in another order
+                found.append(("loss", d <= 1e-5, f"{name} final loss rel. diff vs dp {d:.2e}"))
     if "zero3" in runs and "auto_fsdp" in runs:
         z, a = runs["zero3"], runs["auto_fsdp"]
         t = z["step_ms_median"] / a["step_ms_median"]
         p = z["peak_bytes_per_device"] / a["peak_bytes_per_device"]
-        out.append(f"{'PASS' if t <= 1.0 else 'FAIL'} zero3 time / auto_fsdp {t:.3f} <= 1")
-        out.append(f"{'PASS' if p <= 1.0 else 'FAIL'} zero3 peak / auto_fsdp {p:.3f} <= 1")
-    return out
+        found.append(("time", t <= 1.0, f"zero3 time / auto_fsdp {t:.3f} <= 1"))
+        found.append(("peak", p <= 1.0, f"zero3 peak / auto_fsdp {p:.3f} <= 1"))
+    lines = [
+        f"{'PASS' if ok else 'FAIL'} {text}"
+        for target, ok, text in found
+        if not quick or target in QUICK_TARGETS
+    ]
+    if not quick:
+        return lines
+    return [f"--quick checks {QUICK_CHECKS}:", *lines, QUICK_SKIPS]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -298,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    print(table(result, quick=args.quick))
     return result
 
 

@@ -1,13 +1,17 @@
-"""scripts/bench.py on a tiny GPT: the JSON it writes has docs/design.md §5's schema."""
+"""scripts/bench.py: on a tiny GPT the JSON it writes has docs/design.md §5's schema and
+--quick prints only the targets that hold at any size; on the committed benchmark JSON the
+table and targets are the ones benchmarks/README.md shows."""
 
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "scripts" / "bench.py"
 RUN_NAMES = ["dp", "zero1", "zero2", "zero3", "auto_fsdp"]
 RUN_FIELDS = {
     "name": str,
@@ -23,6 +27,27 @@ RUN_FIELDS = {
     "loss_last": float,
 }
 COMM_KEYS = {"all-reduce", "reduce-scatter", "all-gather", "other", "total"}
+QUICK_HEAD = (
+    "--quick checks states/theory (zero1-3), comm/theory (dp, zero1, zero2), final loss vs dp:"
+)
+QUICK_TAIL = (
+    "--quick skips the peak, step-time and zero3 comm targets, which hold only at scale: on a "
+    "small model activations set the peak, collective latency the step time, and zero3's "
+    "backward re-gathers a smaller share; run without --quick to check them"
+)
+# The size-independent targets --quick prints, in order (the measured number follows).
+QUICK_LINES = [
+    "zero1 states/theory",
+    "zero1 comm/theory",
+    "zero2 states/theory",
+    "zero2 comm/theory",
+    "zero3 states/theory",
+    "dp comm/theory",
+    "zero1 final loss rel. diff vs dp",
+    "zero2 final loss rel. diff vs dp",
+    "zero3 final loss rel. diff vs dp",
+    "auto_fsdp final loss rel. diff vs dp",
+]
 
 
 def _load_bench():
@@ -33,13 +58,20 @@ def _load_bench():
 
 
 @pytest.mark.slow
-def test_bench_json_schema(tmp_path, capsys):
+def test_bench_json_schema_and_quick_targets(tmp_path, capsys):
     bench = _load_bench()
     out = tmp_path / "x.json"
-    argv = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16"]
+    argv = ["--quick", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16"]
     argv += ["--batch", "8", "--warmup", "1", "--steps", "2", "--json", str(out)]
     bench.main(argv)
-    assert "zero3" in capsys.readouterr().out  # the readable table was printed too
+    printed = capsys.readouterr().out
+    assert printed.startswith("gpt-L1-d32-h2-T16-V256: ")  # the readable table was printed
+    targets = printed.split("\n\n")[1].splitlines()
+    assert targets[0] == QUICK_HEAD and targets[-1] == QUICK_TAIL
+    number = r"\d\.\d{4}|\d\.\d\de[+-]\d\d"  # ratios 1.0000, relative differences 0.00e+00
+    assert len(targets[1:-1]) == len(QUICK_LINES)
+    for line, target in zip(targets[1:-1], QUICK_LINES):
+        assert re.fullmatch(rf"PASS {re.escape(target)} ({number})", line), line
 
     result = json.loads(out.read_text())
     assert result["platform"] == "cpu" and result["devices"] == 8
@@ -62,3 +94,45 @@ def test_bench_json_schema(tmp_path, capsys):
     # The same model, data and optimizer in every run: the same first loss.
     first = {r["loss_first"] for r in result["runs"]}
     assert max(first) - min(first) <= 1e-6 * max(first)
+
+
+def test_bench_table_and_targets_on_the_committed_run():
+    bench = _load_bench()
+    result = json.loads((ROOT / "benchmarks" / "bench_cpu8.json").read_text())
+    table, targets = bench.table(result).split("\n\n")
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    assert f"```\n{table}\n```" in readme  # the table benchmarks/README.md quotes
+    assert targets.splitlines() == [
+        "PASS zero1 states/theory 1.0000",
+        "PASS zero1 comm/theory 1.0000",
+        "PASS zero2 states/theory 1.0000",
+        "PASS zero2 comm/theory 1.0000",
+        "PASS zero3 states/theory 1.0000",
+        "PASS zero3 comm/theory 0.9956",
+        "PASS dp comm/theory 1.0000",
+        "PASS zero3 peak / dp peak 0.162 <= 0.25",
+        "PASS zero1 time / dp 0.951 <= 1.10",
+        "PASS zero2 time / dp 0.871 <= 1.10",
+        "PASS zero1 final loss rel. diff vs dp 0.00e+00",
+        "PASS zero2 final loss rel. diff vs dp 0.00e+00",
+        "PASS zero3 final loss rel. diff vs dp 0.00e+00",
+        "PASS auto_fsdp final loss rel. diff vs dp 8.15e-08",
+        "PASS zero3 time / auto_fsdp 0.644 <= 1",
+        "PASS zero3 peak / auto_fsdp 0.901 <= 1",
+    ]
+    # --quick on the same numbers: the size-independent targets only, named first.
+    quick = bench.table(result, quick=True).split("\n\n")[1].splitlines()
+    assert quick == [
+        QUICK_HEAD,
+        "PASS zero1 states/theory 1.0000",
+        "PASS zero1 comm/theory 1.0000",
+        "PASS zero2 states/theory 1.0000",
+        "PASS zero2 comm/theory 1.0000",
+        "PASS zero3 states/theory 1.0000",
+        "PASS dp comm/theory 1.0000",
+        "PASS zero1 final loss rel. diff vs dp 0.00e+00",
+        "PASS zero2 final loss rel. diff vs dp 0.00e+00",
+        "PASS zero3 final loss rel. diff vs dp 0.00e+00",
+        "PASS auto_fsdp final loss rel. diff vs dp 8.15e-08",
+        QUICK_TAIL,
+    ]

@@ -269,5 +269,6 @@ def test_train_classifier_script(capsys):
     argv = ["--steps", "40", "--stage", "3", "--batch-size", "64"]
     assert train_classifier.main(argv) == 0
     out = capsys.readouterr().out
-    first, last = map(float, re.search(r"loss fell from (\S+) to (\S+)", out).groups())
-    assert last < first
+    found = re.search(r"loss fell from (\S+) to (\S+), test accuracy (\S+)", out)
+    first, last, acc = map(float, found.groups())
+    assert last < first and 0 <= acc <= 1
