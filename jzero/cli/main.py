@@ -1,4 +1,5 @@
-"""Command line: ``python -m jzero estimate ...``, the memory of ZeRO stages 0-3."""
+"""Command line: ``python -m jzero estimate ...`` (the memory of ZeRO stages 0-3) and
+``python -m jzero checkpoint inspect|export ...`` (:mod:`.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..accounting.estimate import (
     max_params,
     transformer_activation_bytes,
 )
+from . import checkpoint
 from .plot import plot_model_states, read_measured
 from .units import format_params, parse_bytes, parse_params
 
@@ -91,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_converter(read_measured),
         help="overlay the model-state bytes that scripts/bench.py --json measured",
     )
+    checkpoint.add_parser(commands)
     return parser
 
 
@@ -191,16 +194,20 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs ``python -m jzero estimate ...``; returns the exit status (2 on bad input).
+    """Runs ``python -m jzero estimate|checkpoint ...``; returns the exit status (2 on bad
+    input; 1 when ``checkpoint inspect --verify`` finds a corrupt leaf).
 
-    Bad input is reported on stderr as one line, ``python -m jzero estimate: error: ...``,
+    Bad input is reported on stderr as one line, ``python -m jzero COMMAND: error: ...``,
     naming the problem and the fix.
     """
+    command = "jzero"
     try:
-        return _estimate(_parser().parse_args(argv))
+        args = _parser().parse_args(argv)
+        command = args.command
+        return checkpoint.run(args) if command == "checkpoint" else _estimate(args)
     except _BadInput as e:
         message = str(e)
-    except (ValueError, ImportError) as e:
-        message = f"{_PROG} estimate: error: {e}"
+    except (ValueError, ImportError, OSError) as e:
+        message = f"{_PROG} {command}: error: {e}"
     print(message, file=sys.stderr)
     return 2

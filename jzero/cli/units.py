@@ -104,3 +104,13 @@ def _significant(value: Decimal, *, digits: int) -> Decimal:
         return value
     step = Decimal(1).scaleb(value.adjusted() - digits + 1)
     return value.quantize(step, rounding=ROUND_HALF_EVEN)
+
+
+def format_bytes(count: float) -> str:
+    """A byte count for people, in decimal units to 4 significant digits (``parse_bytes``
+    reads it back): 2_300_000 -> ``"2.3MB"``, 512 -> ``"512B"``."""
+    for suffix, power in (("TB", 12), ("GB", 9), ("MB", 6), ("KB", 3)):
+        shown = _significant(Decimal(count).scaleb(-power), digits=4)
+        if shown >= 1:
+            return f"{shown.normalize():f}{suffix}"
+    return f"{int(count)}B"
