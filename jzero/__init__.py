@@ -2,9 +2,11 @@
 
 Layout of the package: ``jzero.core`` (mesh, plan/layout, collectives, placement, step,
 precision, remat), ``jzero.adapters`` (the Flax adapters, published as ``jzero.linen`` and
-``jzero.nnx``), ``jzero.accounting`` (estimates, HLO collectives, report) and ``jzero.cli``.
+``jzero.nnx``), ``jzero.accounting`` (estimates, HLO collectives, report),
+``jzero.checkpoint`` (Orbax checkpoints, safetensors export) and ``jzero.cli``.
 """
 
+from jzero import checkpoint as checkpoint
 from jzero import linen as linen
 from jzero import nnx as nnx
 
@@ -13,6 +15,7 @@ from .accounting.estimate import estimate as estimate
 from .accounting.estimate import max_params as max_params
 from .accounting.report import Report as Report
 from .accounting.report import report as report
+from .checkpoint import Checkpointer as Checkpointer
 from .core.collectives import Sharded as Sharded
 from .core.collectives import gather as gather
 from .core.layout import LeafLayout as LeafLayout

@@ -1,5 +1,8 @@
-"""Checkpointing: consolidated export and Orbax save/restore of ZeRO states."""
+"""Checkpoints: Orbax save/restore of ZeRO states that reshards across stages, device
+counts and precisions, with per-leaf checksums; consolidated safetensors export/import."""
 
 from .checkpointer import Checkpointer as Checkpointer
 from .checkpointer import CheckpointError as CheckpointError
 from .checkpointer import Restored as Restored
+from .export import export_safetensors as export_safetensors
+from .export import load_safetensors as load_safetensors
