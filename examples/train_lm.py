@@ -2,6 +2,8 @@
 
     python examples/train_lm.py                 # stage 3 on 8 forced CPU devices
     python examples/train_lm.py --stage 1 --steps 100 --out runs/zero1
+    python examples/train_lm.py --checkpoint-dir runs/ckpt --save-every 100
+    python examples/train_lm.py --checkpoint-dir runs/ckpt --resume     # after an interruption
 
 Without a GPU/TPU the script forces ``--cpu-devices`` CPU devices (default 8) so that the
 data axis is real; on GPUs it uses all of them. The last ``--val-fraction`` of the text is
@@ -9,13 +11,19 @@ held out of training and scored every ``--eval-every`` steps. Writes OUT/train.l
 line per step and per evaluation) and OUT/loss.png, prints the layout summary, the training
 and validation loss, a text sample and ``jzero.report``. Tensor names carry their shapes
 (B batch, T time, V vocab, N validation windows).
+
+With ``--checkpoint-dir`` it saves a :class:`jzero.Checkpointer` checkpoint every
+``--save-every`` steps and after the last; ``--resume`` continues from the newest valid one
+(at any stage or device count) exactly where it was: step, data position and loss curve.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -45,6 +53,11 @@ PRECISIONS = {
     "bf16": jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32),
     "fp16": jzero.Precision(param_dtype=jnp.float16, reduce_dtype=jnp.float32),
 }
+SAVE_EVERY = 100  # --save-every's default
+KEEP = 3  # checkpoints kept in --checkpoint-dir (older ones are deleted)
+# Flags an uninterrupted run depends on beyond the model's shapes (which the checkpoint
+# checks itself): the data order and the learning-rate schedule.
+RUN_FLAGS = ("seed", "batch_size", "seq_len", "val_fraction", "steps", "lr")
 
 
 def positive_int(text: str) -> int:
@@ -84,6 +97,24 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--prompt", default="And God said")
     p.add_argument("--cpu-devices", type=int, default=8, help="CPU devices forced without GPU")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help=f"save checkpoints here (the {KEEP} newest are kept)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=positive_int,
+        default=None,
+        help=f"steps between checkpoints (default {SAVE_EVERY}); the last step is always saved",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest valid checkpoint in --checkpoint-dir (keep --steps: "
+        "the total, which also sets the learning-rate schedule)",
+    )
     return p
 
 
@@ -154,9 +185,91 @@ def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: in
     return data.decode(np.array(tokens))
 
 
+def json_float(x: float) -> float | str:
+    """``x`` for JSON, which has no NaN or infinity: those become "nan", "inf", "-inf"
+    (``float`` reads them back). Finite floats round-trip exactly."""
+    return x if math.isfinite(x) else str(x)
+
+
+@dataclasses.dataclass
+class Curve:
+    """The run so far, per step and per evaluation. Every checkpoint holds it (with the data
+    position) in its ``extra``, so a resumed run logs and plots the whole run."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)  # step i: after i updates
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    lrs: list[float] = dataclasses.field(default_factory=list)
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    val_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (updates, loss)
+
+    def to_extra(self, batches_drawn: int, run: dict) -> dict:
+        """JSON for ``Checkpointer.save(..., extra=...)``: numbers and lists of floats."""
+        floats = lambda xs: [json_float(x) for x in xs]
+        return {
+            "step": len(self.losses),
+            "batches_drawn": batches_drawn,
+            "losses": floats(self.losses),
+            "grad_norms": floats(self.grad_norms),
+            "lrs": floats(self.lrs),
+            "step_seconds": floats(self.step_seconds),
+            "val_losses": [[s, json_float(v)] for s, v in self.val_losses],
+            "run": run,
+        }
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> Curve:
+        floats = lambda xs: [float(x) for x in xs]
+        return cls(
+            losses=floats(extra["losses"]),
+            grad_norms=floats(extra["grad_norms"]),
+            lrs=floats(extra["lrs"]),
+            step_seconds=floats(extra["step_seconds"]),
+            val_losses=[(int(s), float(v)) for s, v in extra["val_losses"]],
+        )
+
+
+def log_step(log: logging.Logger, curve: Curve, i: int, tokens_per_step: int) -> None:
+    dt = curve.step_seconds[i]
+    log.info(
+        "step %d loss %.4f grad_norm %.4f lr %.2e step_s %.3f tokens_per_s %.0f",
+        *(i, curve.losses[i], curve.grad_norms[i], curve.lrs[i], dt, tokens_per_step / dt),
+    )
+
+
+def log_eval(log: logging.Logger, steps_done: int, val_loss: float) -> None:
+    log.info("validation loss %.4f after %d steps", val_loss, steps_done)
+
+
+def replay(log: logging.Logger, curve: Curve, tokens_per_step: int) -> None:
+    """Logs a restored curve in the order and format a run logs it in as it goes."""
+    evals = dict(curve.val_losses)
+    if 0 in evals:
+        log_eval(log, 0, evals[0])
+    for i in range(len(curve.losses)):
+        if i + 1 in evals:
+            log_eval(log, i + 1, evals[i + 1])
+        log_step(log, curve, i, tokens_per_step)
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """The finished checkpoints in ``directory`` (none if it does not exist)."""
+    if not directory.is_dir():
+        return []
+    ckpt = jzero.Checkpointer(directory)
+    try:
+        return ckpt.all_steps()
+    finally:
+        ckpt.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.checkpoint_dir is None:
+        if args.resume:
+            parser.error("--resume needs --checkpoint-dir DIR, the directory to resume from")
+        if args.save_every is not None:
+            parser.error("--save-every needs --checkpoint-dir DIR, where the checkpoints go")
     devices = setup_devices(args.cpu_devices)
     # Each device takes batch-size / devices rows, split again into grad-accum micro-batches.
     n, k = len(devices), args.grad_accum
@@ -176,8 +289,38 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(train_text):,} training and {len(val_text):,} held-out bytes; "
             "lower --seq-len or change --val-fraction"
         )
+    ckpt = None
+    if args.checkpoint_dir is not None:
+        if args.checkpoint_dir.exists() and not args.checkpoint_dir.is_dir():
+            parser.error(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
+        steps = saved_steps(args.checkpoint_dir)
+        if args.resume and not steps:
+            parser.error(
+                f"--resume: no checkpoint in {args.checkpoint_dir}; "
+                "leave out --resume to start a new run there"
+            )
+        if steps and not args.resume:
+            parser.error(
+                f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (the newest "
+                f"at step {steps[-1]}); add --resume to continue that run, or use an empty "
+                "directory"
+            )
+        ckpt = jzero.Checkpointer(
+            args.checkpoint_dir, max_to_keep=KEEP, save_every=args.save_every or SAVE_EVERY
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     log = make_logger(args.out)
+    try:
+        return run(args, parser, devices, train_text, val_text, log, ckpt)
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the asynchronous saves in flight, also when interrupted
+        for handler in list(log.handlers):
+            handler.close()
+            log.removeHandler(handler)
+
+
+def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
     log.info("args %s", vars(args))
 
     # ---------------------------------------------------------------- model and data
@@ -202,11 +345,61 @@ def main(argv: list[str] | None = None) -> int:
     opt = jzero.ZeroOptimizer(tx, mesh, stage=args.stage, precision=precision)
     # init_fn runs under jit with sharded outputs: in stage 3 no device holds the whole model.
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
-    state = opt.init(init_fn=init_fn)
-    n_params = gpt.count_params(jax.eval_shape(init_fn))
+    shapes = jax.eval_shape(init_fn)
+    curve, batches_drawn, resumed = Curve(), 0, None
+    run_flags = {name: getattr(args, name) for name in RUN_FLAGS}
+    if args.resume:
+        # The newest valid checkpoint, laid out for this optimizer's stage and devices.
+        try:
+            restored = ckpt.restore(opt, shapes)
+        except jzero.checkpoint.CheckpointError as e:
+            parser.error(f"--resume: {e}")
+        try:
+            curve = Curve.from_extra(restored.extra)
+            batches_drawn = int(restored.extra["batches_drawn"])
+        except (TypeError, KeyError, ValueError):
+            parser.error(
+                f"--resume: checkpoint step {restored.step} in {args.checkpoint_dir} has no "
+                "loss curve and data position; it was not written by this script"
+            )
+        if restored.step > args.steps:
+            parser.error(
+                f"--steps {args.steps} is the total, but the checkpoint is at step "
+                f"{restored.step} already; pass --steps {restored.step} or more"
+            )
+        state, resumed = restored.state, restored.step
+        for _ in range(batches_drawn):  # the data position: the same batches as without a stop
+            next(batches)
+    else:
+        state = opt.init(init_fn=init_fn)
+    n_params = gpt.count_params(shapes)
     print(f"devices: {len(devices)} x {devices[0].platform}; GPT {n_params:,} params, {cfg}")
     print(layout_summary(state))
     log.info("%s", layout_summary(state))
+    tokens_per_step = args.batch_size * cfg.seq_len
+    if args.resume:
+        meta = ckpt.metadata(restored.step)
+        line = (
+            f"resumed from checkpoint step {restored.step} in {args.checkpoint_dir} (saved at "
+            f"stage {meta['stage']} on {meta['devices']} devices, now stage {args.stage} on "
+            f"{len(devices)}), continuing to step {args.steps}"
+        )
+        line += "".join(
+            f"; skipped invalid step {s}: {' '.join(why.split())}" for s, why in restored.skipped
+        )
+        print(line)
+        log.info("%s", line)
+        saved_flags = restored.extra.get("run", {})
+        changed = [
+            f"--{k.replace('_', '-')} {run_flags[k]} (checkpoint: {saved_flags[k]})"
+            for k in RUN_FLAGS
+            if k in saved_flags and saved_flags[k] != run_flags[k]
+        ]
+        if changed:
+            note = f"note: {', '.join(changed)}: the rest differs from an uninterrupted run"
+            print(note)
+            log.info("%s", note)
+        replay(log, curve, tokens_per_step)  # the run so far, as it was logged
     # manual_gather: the model gathers each layer's parameters inside its nn.scan body.
     train_step = opt.train_step(
         gpt.make_loss_fn(cfg), manual_gather=True, grad_accum=args.grad_accum
@@ -224,40 +417,53 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     # ---------------------------------------------------------------- train
-    losses: list[float] = []  # training loss at step i: on params after i updates
-    val_losses: list[tuple[int, float]] = []  # (updates done, validation loss)
-
     def evaluate(steps_done: int) -> float:
         val_loss = float(eval_loss(opt.full_params(state), val_windows))
-        val_losses.append((steps_done, val_loss))
-        log.info("validation loss %.4f after %d steps", val_loss, steps_done)
+        curve.val_losses.append((steps_done, val_loss))
+        log_eval(log, steps_done, val_loss)
         return val_loss
 
-    val_loss = evaluate(0)
-    tokens_per_step = args.batch_size * cfg.seq_len
-    bar = tqdm(range(args.steps), desc=f"zero{args.stage}", dynamic_ncols=True)
+    start = len(curve.losses)  # updates done: 0, or the checkpoint's step
+    val_loss = curve.val_losses[-1][1] if curve.val_losses else evaluate(0)
+    save_every = args.save_every or SAVE_EVERY
+    batch = None
+    bar = tqdm(
+        range(start, args.steps),
+        desc=f"zero{args.stage}",
+        initial=start,
+        total=args.steps,
+        dynamic_ncols=True,
+    )
     for step in bar:
         batch = jax.device_put(next(batches), batch_sharding)  # {"tokens": int32[B, T+1]}
+        batches_drawn += 1
         t0 = time.perf_counter()
         state, metrics = train_step(state, batch)
         loss = float(metrics["loss"])  # waits for the step
         dt = time.perf_counter() - t0
-        losses.append(loss)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val_loss = evaluate(step + 1)
+        curve.losses.append(loss)
+        curve.grad_norms.append(float(metrics["grad_norm"]))
+        curve.lrs.append(float(schedule(step)))
+        curve.step_seconds.append(dt)
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            val_loss = evaluate(done)
         tok_s = f"{tokens_per_step / dt:,.0f}"
         bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": tok_s})
-        log.info(
-            "step %d loss %.4f grad_norm %.4f lr %.2e step_s %.3f tokens_per_s %.0f",
-            step,
-            loss,
-            float(metrics["grad_norm"]),
-            float(schedule(step)),
-            dt,
-            tokens_per_step / dt,
-        )
+        log_step(log, curve, step, tokens_per_step)
+        if ckpt is not None and (done % save_every == 0 or done == args.steps):
+            # Asynchronous: returns once the arrays are off the devices; the next step may
+            # donate them. `extra` carries what the arrays do not: data position and curve.
+            extra = curve.to_extra(batches_drawn, run_flags)
+            ckpt.save(done, state, extra=extra, force=done == args.steps)
     bar.close()
+    if ckpt is not None:
+        ckpt.wait()
+        line = f"checkpoints: steps {ckpt.all_steps()} in {args.checkpoint_dir}"
+        print(line)
+        log.info("%s", line)
 
+    losses, val_losses = curve.losses, curve.val_losses
     best_step, best = min(val_losses, key=lambda sv: sv[1])
     summary = [
         f"{trend('loss', losses[0], losses[-1])} (training batches)",
@@ -271,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(losses, lw=0.8, label="training (batch)")
     ax.plot(*zip(*val_losses), "o-", ms=3, label="validation (held out)")
+    if resumed is not None:
+        ax.axvline(resumed, ls=":", lw=0.8, c="gray", label=f"resumed at step {resumed}")
     ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"GPT, ZeRO stage {args.stage}")
     ax.legend()
     fig.tight_layout()
@@ -285,11 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     log.info("sample %r", text)
 
+    if batch is None:  # resumed at --steps: no step ran here; any batch shows the layout
+        batch = jax.device_put(next(batches), batch_sharding)
     print(jzero.report(train_step, state, batch))
-
-    for handler in list(log.handlers):
-        handler.close()
-        log.removeHandler(handler)
     return 0
 
 

@@ -1,7 +1,11 @@
 """The GPT example under jzero: every stage matches plain single-device Optax; the script runs."""
 
+import contextlib
 import functools
+import io
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -90,12 +94,15 @@ def test_gpt_matches_single_device_optax(stage):
         np.testing.assert_allclose(leaf, want, rtol=RTOL, atol=ATOL, err_msg=str(path))
 
 
+# A tiny configuration of the main job: about 15 s per run on 2 CPU cores.
+TINY = [
+    *("--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16"),
+    *("--batch-size", "8", "--lr", "1e-2", "--sample-tokens", "8"),
+]
+
+
 def test_train_lm_script_runs(tmp_path, capsys):
-    argv = [
-        *("--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16"),
-        *("--steps", "30", "--batch-size", "8", "--lr", "1e-2", "--sample-tokens", "8"),
-        *("--eval-every", "10", "--out", str(tmp_path)),
-    ]
+    argv = [*TINY, "--steps", "30", "--eval-every", "10", "--out", str(tmp_path)]
     with standard():  # Optax's Adam is not strict-promotion clean (see `standard`)
         assert train_lm.main(argv) == 0
     out = capsys.readouterr().out
@@ -154,6 +161,12 @@ def test_trend_says_what_happened(first, last, line):
             "change --val-fraction",
         ),
         (["--steps", "0"], "argument --steps: 0 is not a positive integer"),
+        (["--resume"], "--resume needs --checkpoint-dir DIR, the directory to resume from"),
+        (
+            ["--save-every", "5"],
+            "--save-every needs --checkpoint-dir DIR, where the checkpoints go",
+        ),
+        (["--save-every", "0"], "argument --save-every: 0 is not a positive integer"),
     ],
 )
 def test_train_lm_refuses_bad_flags_up_front(tmp_path, capsys, args, error):
@@ -162,6 +175,187 @@ def test_train_lm_refuses_bad_flags_up_front(tmp_path, capsys, args, error):
     assert exit_info.value.code == 2  # argparse's usage error: one line, no traceback
     assert capsys.readouterr().err.splitlines()[-1].endswith(f" error: {error}")
     assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+# ------------------------------------------------------------------ checkpoints and resume
+# N steps straight through, and the same run stopped part-way (the checkpoint at N/2, a few
+# steps after it lost) then resumed with --resume: --steps is N in both invocations, as it
+# sets the learning-rate schedule too.
+N, SAVE_EVERY, LOST = 20, 10, 3
+RESUME = [*TINY, "--steps", str(N), "--eval-every", "5", "--save-every", str(SAVE_EVERY)]
+
+
+class Preempted(Exception):
+    """Stands in for the job being killed."""
+
+
+def run_main(argv):
+    """``train_lm.main(argv)``'s stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), standard():
+        assert train_lm.main(argv) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Directory with straight/{out,ckpt} (N steps) and stopped/{out,ckpt} (stopped after
+    N/2 + LOST steps; its newest checkpoint at N/2), and that checkpoint copied to other/."""
+    root = tmp_path_factory.mktemp("runs")
+    run_main(
+        [
+            *RESUME,
+            "--out",
+            str(root / "straight/out"),
+            "--checkpoint-dir",
+            str(root / "straight/ckpt"),
+        ]
+    )
+
+    real = data.batches
+
+    def preempted(*args, **kwargs):  # the job dies while drawing batch N/2 + LOST + 1
+        it = real(*args, **kwargs)
+        for _ in range(SAVE_EVERY + LOST):
+            yield next(it)
+        raise Preempted
+
+    stopped = ["--out", str(root / "stopped/out"), "--checkpoint-dir", str(root / "stopped/ckpt")]
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(Preempted), standard():
+        mp.setattr(data, "batches", preempted)
+        train_lm.main([*RESUME, *stopped])
+    assert jzero.Checkpointer(root / "stopped/ckpt").all_steps() == [SAVE_EVERY]
+    shutil.copytree(root / "stopped/ckpt", root / "other/ckpt")
+    return root
+
+
+def saved(directory, step):
+    """Checkpoint ``step``'s ``extra`` and all its arrays (true shapes, on one device)."""
+    ckpt = jzero.Checkpointer(directory)
+    meta = ckpt.metadata(step)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {
+        name: jax.ShapeDtypeStruct(tuple(leaf["shape"]), leaf["dtype"], sharding=one)
+        for name, leaf in meta["leaves"].items()
+    }
+    arrays = {name: np.asarray(x) for name, x in ckpt.read(step, targets).items()}
+    ckpt.close()
+    return meta["extra"], arrays
+
+
+def logged(out):
+    """train.log's record of the run: steps, evaluations, summary and sample, without the
+    timestamps and timings."""
+    lines = [line.split(" ", 2)[2] for line in (out / "train.log").read_text().splitlines()]
+    keep = ("step ", "validation loss ", "loss ", "sample ")
+    return [re.sub(r" step_s .*", "", line) for line in lines if line.startswith(keep)]
+
+
+def test_resumed_run_equals_the_uninterrupted_one_bitwise(runs):
+    out = run_main(
+        [
+            *RESUME,
+            "--resume",
+            "--out",
+            str(runs / "stopped/out"),
+            "--checkpoint-dir",
+            str(runs / "stopped/ckpt"),
+        ]
+    )
+    assert (
+        f"resumed from checkpoint step {SAVE_EVERY} in {runs / 'stopped/ckpt'} (saved at stage 3 "
+        f"on 8 devices, now stage 3 on 8), continuing to step {N}\n"
+    ) in out
+    assert "note:" not in out
+    # The final checkpoints: the whole state (weights, Adam moments, step) bit for bit, and
+    # the loss curves in `extra` as exact floats; only the step timings differ.
+    want_extra, want_arrays = saved(runs / "straight/ckpt", N)
+    got_extra, got_arrays = saved(runs / "stopped/ckpt", N)
+    assert sorted(got_arrays) == sorted(want_arrays)
+    for name, want in want_arrays.items():
+        np.testing.assert_array_equal(got_arrays[name], want, err_msg=name)
+    assert len(got_extra.pop("step_seconds")) == len(want_extra.pop("step_seconds")) == N
+    assert got_extra == want_extra
+    assert got_extra["step"] == got_extra["batches_drawn"] == N
+    assert [s for s, _ in got_extra["val_losses"]] == [0, 5, 10, 15, 20]
+    # train.log and stdout: the resumed run logs the whole run, as the straight one does.
+    want_log, got_log = logged(runs / "straight/out"), logged(runs / "stopped/out")
+    assert got_log == want_log
+    assert len([line for line in got_log if line.startswith("step ")]) == N
+    summary = [line for line in out.splitlines() if line.startswith(("loss ", "validation loss "))]
+    assert len(summary) == 2 and all(line in want_log for line in summary)
+    assert (runs / "stopped/out/loss.png").stat().st_size > 0
+
+
+# Flipping bytes in a data file makes Orbax abandon reads whose callbacks die later with
+# "Event loop is closed" (harmless; see tests/test_checkpoint.py).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_resume_at_another_stage_skipping_a_corrupt_checkpoint(runs):
+    ckpt_dir = runs / "other/ckpt"
+    # A newer checkpoint, corrupt: a copy of step N/2 with bytes flipped in its largest file.
+    shutil.copytree(ckpt_dir / str(SAVE_EVERY), ckpt_dir / "15")
+    files = [Path(root) / f for root, _, names in os.walk(ckpt_dir / "15/state") for f in names]
+    largest = max((f for f in files if f.parent.name == "d"), key=lambda f: f.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.seek(largest.stat().st_size // 2)
+        chunk = f.read(8)
+        f.seek(-len(chunk), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+    out = run_main(
+        [
+            *RESUME,
+            "--resume",
+            "--stage",
+            "1",
+            "--out",
+            str(runs / "other/out"),
+            "--checkpoint-dir",
+            str(ckpt_dir),
+        ]
+    )
+    line = next(line for line in out.splitlines() if line.startswith("resumed"))
+    assert line.startswith(
+        f"resumed from checkpoint step {SAVE_EVERY} in {ckpt_dir} (saved at stage 3 on 8 "
+        f"devices, now stage 1 on 8), continuing to step {N}; skipped invalid step 15: "
+        "checkpoint step 15: "
+    )
+    # Resharded to stage 1: the same state, but stage 1 may sum in another order than stage
+    # 3, so only float32-rounding agreement is promised (on CPU it is even bit for bit).
+    want, _ = saved(runs / "straight/ckpt", N)
+    got, _ = saved(ckpt_dir, N)
+    assert got["losses"][:SAVE_EVERY] == want["losses"][:SAVE_EVERY]
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+    np.testing.assert_allclose(
+        [v for _, v in got["val_losses"]], [v for _, v in want["val_losses"]], rtol=1e-5
+    )
+
+
+def test_train_lm_refuses_checkpoint_dir_mixups(runs, tmp_path, capsys):
+    def error(*args):
+        with pytest.raises(SystemExit) as exit_info:
+            train_lm.main([*TINY, *args, "--out", str(tmp_path / "run")])
+        assert exit_info.value.code == 2
+        return capsys.readouterr().err.splitlines()[-1].split(" error: ", 1)[1]
+
+    empty = tmp_path / "empty"
+    assert error("--checkpoint-dir", str(empty), "--resume") == (
+        f"--resume: no checkpoint in {empty}; leave out --resume to start a new run there"
+    )
+    done = runs / "straight/ckpt"
+    assert error("--checkpoint-dir", str(done)) == (
+        f"--checkpoint-dir {done} already holds checkpoints (the newest at step {N}); add "
+        "--resume to continue that run, or use an empty directory"
+    )
+    (tmp_path / "file").write_text("")
+    assert error("--checkpoint-dir", str(tmp_path / "file")) == (
+        f"--checkpoint-dir {tmp_path / 'file'} is a file, not a directory"
+    )
+    assert not empty.exists() and not (tmp_path / "run").exists()  # refused before anything ran
+    assert error("--checkpoint-dir", str(done), "--resume", "--steps", "5") == (
+        f"--steps 5 is the total, but the checkpoint is at step {N} already; "
+        f"pass --steps {N} or more"
+    )
 
 
 def test_validation_text_is_held_out_and_tiled_once():
