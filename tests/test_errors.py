@@ -20,7 +20,7 @@ def test_batch_not_divisible_by_data_axis():
     opt = _opt()
     state = opt.init(awkward_params())
     batch = {"x": jnp.ones((12, 40)), "y": jnp.ones((12, 5))}
-    with pytest.raises(ValueError, match=r"batch leaf \['x'\].*divisible by the data-axis size 8"):
+    with pytest.raises(ValueError, match=r"batch leaf \[.x.\].*divisible by the 8 data-parallel"):
         opt.train_step(awkward_loss)(state, batch)
 
 

@@ -8,6 +8,9 @@ mixed precision (16-bit params and grads) gives::
     stage 1: 2Ψ + 2Ψ + K·Ψ/N      stage 3: (2 + 2 + K)·Ψ/N
 
 and fp32 training replaces each 2 by 4. GB means 10^9 bytes throughout.
+
+Hybrid sharding (HSDP: model states sharded within groups of G devices, replicated
+across the R = N/G groups) is the same table with N replaced by G (``shard_group=G``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,20 @@ def _check_nonneg(**values: Any) -> None:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}: e.g. 7.5e9.")
 
 
+def _shard_group(devices: int, shard_group: Any) -> int:
+    """G: the devices model states are sharded over (N unless hybrid); it must divide N."""
+    if shard_group is None:
+        return devices
+    _check_ints(shard_group=shard_group)
+    if devices % shard_group:
+        raise ValueError(
+            f"shard_group must divide devices: {shard_group} does not divide {devices}. "
+            "Hybrid sharding shards within groups of G devices and replicates across the "
+            f"N/G groups; use a divisor of {devices}, e.g. the devices per host."
+        )
+    return int(shard_group)
+
+
 def _resolve_k(precision: Any, k: float | None) -> float:
     if precision not in DEFAULT_K:
         raise ValueError(
@@ -139,6 +156,23 @@ def theory_comm_bytes(*, stage: Stage, param_bytes_S: float, devices: int) -> fl
     return (3 if stage == 3 else 2) * param_bytes_S * (devices - 1) / devices
 
 
+def theory_comm_bytes_per_axis(
+    *, stage: Stage, param_bytes_S: float, devices: int, replicas: int
+) -> dict[str, float]:
+    """Bytes each device sends per step over each mesh axis with hybrid sharding (ring model).
+
+    ``devices`` is the data-group size G (model states sharded over it) and ``replicas``
+    the number R of groups. Over 'data' a step moves what :func:`theory_comm_bytes` says
+    with N = G; over 'replica' each device all-reduces what its group left it: its 1/G
+    gradient shard at stages 1-3, 2·(S/G)·(R−1)/R, the whole gradient at stage 0,
+    2·S·(R−1)/R.
+    """
+    _check_ints(replicas=replicas)
+    data = theory_comm_bytes(stage=stage, param_bytes_S=param_bytes_S, devices=devices)
+    held = param_bytes_S / (devices if stage >= 1 else 1)
+    return {"data": data, "replica": 2 * held * (replicas - 1) / replicas}
+
+
 def transformer_activation_bytes(
     *,
     batch: int,
@@ -189,6 +223,7 @@ def estimate(
     prefetch: bool = False,
     activation_bytes: float = 0.0,
     buffer_bytes: float = 0.0,
+    shard_group: int | None = None,
 ) -> Estimate:
     """Memory per device of one ZeRO stage.
 
@@ -208,6 +243,9 @@ def estimate(
             `transformer_activation_bytes`; added as given.
         buffer_bytes: communication buffers per device, e.g. a fused bucket's elements
             times bytes per element; added as given.
+        shard_group: hybrid sharding (HSDP): model states are sharded within groups of
+            this many devices G and replicated across the N/G groups, so the stage
+            formulas hold with N replaced by G. G must divide N; default N (plain ZeRO).
 
     Examples:
         >>> round(estimate(params=7.5e9, devices=64, stage=1).total_bytes / 1e9, 1)
@@ -217,11 +255,12 @@ def estimate(
     _check_ints(devices=devices, model_parallel=model_parallel)
     _check_nonneg(params=params, activation_bytes=activation_bytes, buffer_bytes=buffer_bytes)
     _check_nonneg(largest_layer_params=largest_layer_params)
+    group = _shard_group(devices, shard_group)
     k = _resolve_k(precision, k)
     pb = _PARAM_BYTES[precision]
-    states = _state_bytes(params / model_parallel, devices, stage, pb, pb, k)
+    states = _state_bytes(params / model_parallel, group, stage, pb, pb, k)
     gathered = (2 if prefetch else 1) * pb * largest_layer_params / model_parallel
-    gathered = gathered if stage == 3 and devices > 1 else 0.0
+    gathered = gathered if stage == 3 and group > 1 else 0.0
     return Estimate(stage, *states, gathered, float(activation_bytes), float(buffer_bytes))
 
 

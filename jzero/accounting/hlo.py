@@ -10,6 +10,7 @@ Examples:
 """
 
 import functools
+import itertools
 import math
 import re
 from typing import NamedTuple
@@ -40,6 +41,10 @@ _GROUPS_MESH = re.compile(r"replica_groups=(?:maximal_)?mesh\[([^\]]*)\][^{]*\{(
 _MESH_AXIS = re.compile(r"'?([\w.\-]+)'?=(\d+)")
 _GROUP_AXIS = re.compile(r"'?([\w.\-]+)'?(?::\(\d+\)(\d+))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_IOTA = re.compile(r"\[([\d,]*)\](?:T\(([\d,]*)\))?")  # `[2,4]T(1,0)`: iota, reshaped, transposed
+_GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]*\](?:T\([\d,]*\))?)")
+_DEVICE_IDS = re.compile(r"device_ids=\((\[[\d,]*\](?:T\([\d,]*\))?|[\d,\s]*)\)")
+_MAXIMAL = re.compile(r"replica_groups=maximal_mesh\[device_id=(\d+)\]")
 
 
 class Collective(NamedTuple):
@@ -54,6 +59,10 @@ class Collective(NamedTuple):
     trip_count: int | None  # runs per program call; None: inside a loop of unknown trip count
     computation: str  # name of the HLO computation that holds it
     name: str  # HLO instruction name (shared by the elements of a combined op)
+    # The replica groups as device (partition) ids, the i-th being the i-th device of the
+    # program's device assignment (a jitted program on a mesh: ``mesh.devices.flat``); the
+    # source-target pairs of a permute; () where the form was not understood.
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def ring_bytes(self) -> float:
@@ -98,6 +107,75 @@ def _group_size(attrs: str, num_devices: int) -> int:
     if m := _PAIRS.search(attrs):
         return len(set(re.findall(r"\d+", m[1])))
     return num_devices  # no replica_groups attribute: all devices
+
+
+def _iota(text: str) -> list[int]:
+    """`[2,4]T(1,0)` -> the ids 0..7 laid out as a 2x4 array, transposed (1, 0), flat."""
+    m = _IOTA.fullmatch(text)
+    dims = [int(d) for d in m[1].split(",") if d]
+    perm = [int(p) for p in m[2].split(",")] if m[2] else list(range(len(dims)))
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+    return [
+        sum(i * strides[d] for i, d in zip(index, perm))
+        for index in itertools.product(*(range(dims[d]) for d in perm))
+    ]
+
+
+def _grid_groups(ids: list[int], shape: list[int], dims: list[int]) -> list[tuple[int, ...]]:
+    """Groups of ``ids`` (row-major over ``shape``) varying along ``dims``, in that order."""
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    rest = [d for d in range(len(shape)) if d not in dims]
+    at = lambda fixed, moving: sum(
+        i * strides[d] for i, d in itertools.chain(zip(fixed, rest), zip(moving, dims))
+    )
+    over = lambda ds: list(itertools.product(*(range(shape[d]) for d in ds)))
+    return [tuple(ids[at(f, m)] for m in over(dims)) for f in over(rest)]
+
+
+def _mesh_groups(attrs: str, m: re.Match, num_devices: int) -> list[tuple[int, ...]]:
+    """Groups of the `mesh[...]` form; a sub-axis `'a':(p)k` splits axis `a` into (p, k, rest)."""
+    sizes = [(name, int(size)) for name, size in _MESH_AXIS.findall(m[1])]
+    split = {}  # axis -> (pre-size, size) of the one sub-axis the groups name
+    named = []
+    for name, pre, sub in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", m[2].replace(" ", "")):
+        if sub:
+            split[name] = (int(pre), int(sub))
+        named.append((name, bool(sub)))
+    shape, index = [], {}  # expanded dims; (axis, is sub-axis) -> dim
+    for name, size in sizes:
+        pre, sub = split.get(name, (1, size))
+        index[(name, name in split)] = len(shape) + (1 if name in split else 0)
+        shape += [pre, sub, size // (pre * sub)] if name in split else [size]
+    ids = list(range(math.prod(shape)))
+    if d := _DEVICE_IDS.search(attrs):
+        ids = _iota(d[1]) if d[1].startswith("[") else [int(i) for i in re.findall(r"\d+", d[1])]
+    return _grid_groups(ids, shape, [index[key] for key in named])
+
+
+def _groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The replica groups (or a permute's pairs) as device ids; () if not understood."""
+    try:
+        if m := _GROUPS_LIST.search(attrs):
+            if not m[1]:
+                return (tuple(range(num_devices)),)
+            text = attrs[m.start() : attrs.index("}}", m.start()) + 2]
+            return tuple(
+                tuple(map(int, re.findall(r"\d+", g))) for g in re.findall(r"\{([\d,\s]*)\}", text)
+            )
+        if m := _GROUPS_IOTA_FULL.search(attrs):
+            ids, size = _iota(m[3]), int(m[2])
+            return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
+        if m := _MAXIMAL.search(attrs):
+            return ((int(m[1]),),)
+        if m := _GROUPS_MESH.search(attrs):
+            return tuple(_mesh_groups(attrs, m, num_devices))
+        if m := _PAIRS.search(attrs):
+            return tuple(tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", m[1]))
+    except (AttributeError, IndexError, KeyError, ValueError, ZeroDivisionError):
+        return ()
+    if "replica_groups=" in attrs:
+        return ()
+    return (tuple(range(num_devices)),)  # no replica_groups attribute: all devices
 
 
 def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collective]:
@@ -159,12 +237,14 @@ def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collec
             while not instrs[start][2].endswith("-start"):
                 start = re.search(r"%([\w.\-]+)", instrs[start][3])[1]
             attrs = instrs[start][3]
-        n = _group_size(attrs, num_devices)
+        n, groups = _group_size(attrs, num_devices), _groups(attrs, num_devices)
         for dtype, dims in _ARRAY.findall(shape):
             dims = tuple(int(d) for d in dims.replace("<=", "").split(",") if d)
             nbytes = _nbytes(dtype, dims)
             operand = {"all-gather": nbytes // n, "reduce-scatter": nbytes * n}.get(kind, nbytes)
-            found.append(Collective(kind, dtype, dims, n, nbytes, operand, trips, comp, name))
+            found.append(
+                Collective(kind, dtype, dims, n, nbytes, operand, trips, comp, name, groups)
+            )
     return found
 
 
@@ -189,6 +269,44 @@ def comm_bytes(hlo: str | list[Collective]) -> dict[str, float]:
         key = c.kind if c.kind in out else "other"
         out[key] += c.ring_bytes * c.trip_count
         out["total"] += c.ring_bytes * c.trip_count
+    return out
+
+
+def mesh_axes(c: Collective, mesh_shape: dict[str, int]) -> tuple[str, ...] | None:
+    """The axes of a mesh (``{name: size}`` in mesh order, device ``i`` at row-major
+    position ``i``) along which ``c``'s groups span devices; None if its groups are unknown.
+
+    E.g. on ``{'replica': 2, 'data': 4}``: groups ``{0,1,2,3},{4,5,6,7}`` -> ``('data',)``,
+    ``{0,4},{1,5},...`` -> ``('replica',)``, ``{0..7}`` -> ``('replica', 'data')``.
+    """
+    if not c.groups:
+        return None
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    coords = lambda i: [i // math.prod(sizes[k + 1 :]) % sizes[k] for k in range(len(sizes))]
+    spanned = set()
+    for group in c.groups:
+        points = [coords(i) for i in group]
+        spanned |= {k for k in range(len(names)) if len({p[k] for p in points}) > 1}
+    return tuple(names[k] for k in sorted(spanned))
+
+
+def comm_bytes_by_axis(colls: list[Collective], mesh_shape: dict[str, int]) -> dict[str, float]:
+    """Bytes sent per device per program call (ring model) by the mesh axes each collective's
+    groups span: ``{'data': ..., 'replica': ...}``; a collective spanning several axes is
+    keyed by their names joined with ``+`` (e.g. ``'replica+data'``), unknown groups by
+    ``'?'``. Collectives within one device (no axis) send nothing and are left out.
+
+    Raises:
+      ValueError: a collective sits in a loop whose trip count XLA does not know.
+    """
+    out: dict[str, float] = {}
+    for c in colls:
+        comm_bytes([c])  # raises on an unknown trip count
+        axes = mesh_axes(c, mesh_shape)
+        if axes == ():
+            continue
+        key = "?" if axes is None else "+".join(axes)
+        out[key] = out.get(key, 0.0) + c.ring_bytes * c.trip_count
     return out
 
 

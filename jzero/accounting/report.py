@@ -1,7 +1,9 @@
 """What a compiled training step holds and sends per device, measured beside the theory.
 
 :func:`report` reads the live state's shards, the compiled step's memory analysis and the
-collectives of its optimized HLO, and sets each beside docs/design.md §1's formulas.
+collectives of its optimized HLO, and sets each beside docs/design.md §1's formulas. On a
+hybrid mesh (a ``replica`` axis) it also splits the traffic by the mesh axes each
+collective's device groups span, beside the theory per axis.
 
 Examples:
     >>> step = opt.train_step(loss_fn, manual_gather=True)  # doctest: +SKIP
@@ -20,8 +22,8 @@ import numpy as np
 from .._table import table
 from ..core.plan import Plan
 from ..core.state import ZeroState
-from .estimate import theory_comm_bytes, theory_model_state_bytes
-from .hlo import Collective, collectives, comm_bytes, summary_table
+from .estimate import theory_comm_bytes, theory_comm_bytes_per_axis, theory_model_state_bytes
+from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, summary_table
 
 _MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 CPU_NOTE = (
@@ -41,7 +43,8 @@ class Report:
 
     Attributes:
         stage: ZeRO stage of the state.
-        devices: data-parallel degree N (``plan.data_size``).
+        devices: the devices N model states are sharded over (``plan.data_size``; with
+            hybrid sharding the data-group size G).
         num_params: parameter count Ψ (true shapes, padding excluded).
         params_bytes: parameters held at rest (live arrays, one addressable shard each).
         grads_bytes: gradients held per device, *derived from the plan*, not measured:
@@ -57,8 +60,15 @@ class Report:
         collectives: every collective of the optimized HLO, with its trip count.
         comm_bytes: bytes sent per device per step in the ring model, by kind and total.
         theory_comm_bytes: 2·S·(N−1)/N (stages 0-2) or 3·S·(N−1)/N (stage 3), S = one
-            full copy of the parameters in the gradient dtype.
+            full copy of the parameters in the gradient dtype; with hybrid sharding the
+            sum of ``theory_comm_bytes_by_axis``.
         notes: caveats that apply to these numbers (e.g. the CPU's f32 collectives).
+        replicas: R, the ``replica`` axis's size (1 without one).
+        comm_bytes_by_axis: the measured bytes by the mesh axes a collective's device
+            groups span (``'data'``, ``'replica'``; ``'replica+data'`` for one spanning
+            both, e.g. the loss mean), from :func:`jzero.accounting.hlo.comm_bytes_by_axis`.
+        theory_comm_bytes_by_axis: ``{'data': ...}``, with hybrid sharding also
+            ``'replica'``: :func:`~jzero.accounting.estimate.theory_comm_bytes_per_axis`.
     """
 
     stage: int
@@ -74,6 +84,9 @@ class Report:
     comm_bytes: dict[str, float]
     theory_comm_bytes: float
     notes: tuple[str, ...] = ()
+    replicas: int = 1
+    comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
+    theory_comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def model_state_bytes(self) -> int:
@@ -88,6 +101,14 @@ class Report:
     def comm_ratio(self) -> float | None:
         """Measured over theory communication; None when the theory is 0 (one device)."""
         return _ratio(self.comm_bytes["total"], self.theory_comm_bytes)
+
+    @property
+    def comm_ratio_by_axis(self) -> dict[str, float | None]:
+        """Measured over theory communication per mesh axis that has a theory."""
+        measured = self.comm_bytes_by_axis
+        return {
+            k: _ratio(measured.get(k, 0.0), t) for k, t in self.theory_comm_bytes_by_axis.items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able numbers, lists and strings; an undefined ratio is None.
@@ -104,6 +125,7 @@ class Report:
             "model_state_bytes": self.model_state_bytes,
             "model_state_ratio": self.model_state_ratio,
             "comm_ratio": self.comm_ratio,
+            "comm_ratio_by_axis": self.comm_ratio_by_axis,
         }
 
     def __str__(self) -> str:
@@ -127,6 +149,13 @@ class Report:
         ]
         rows += [row(f"  {k}", v) for k, v in self.comm_bytes.items() if k != "total"]
         devices = f"{self.devices} device" + ("s" if self.devices != 1 else "")
+        if "replica" in self.theory_comm_bytes_by_axis:  # hybrid: traffic per mesh axis
+            theory, ratios = self.theory_comm_bytes_by_axis, self.comm_ratio_by_axis
+            for axis in dict.fromkeys([*theory, *self.comm_bytes_by_axis]):
+                measured = self.comm_bytes_by_axis.get(axis, 0.0)
+                r = ratio(ratios[axis]) if axis in theory else ""
+                rows.append(row(f"  over {axis}", measured, theory.get(axis), r))
+            devices = f"{self.replicas} x {self.devices} devices (replica x data)"
         head = f"jzero stage {self.stage} on {devices}, {self.num_params:,} params"
         lines = [head, table(rows, right={1, 2, 3}), "", summary_table(list(self.collectives))]
         lines += [f"note: {n}" for n in (*self.notes, *self._ratio_notes())]
@@ -182,6 +211,8 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     compiled = train_step.lower(state, batch).compile()
     peak, memory = _memory(compiled)
     colls = tuple(collectives(compiled.as_text()))
+    # Device i of the compiled program is the mesh's i-th device (jit over its shardings).
+    by_axis = comm_bytes_by_axis(list(colls), dict(plan.mesh.shape))
 
     itemsizes = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params)]
     num_params = sum(math.prod(lay.shape) for lay in plan.layouts)
@@ -199,6 +230,13 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         grad_bytes=per_param,  # gradients take their parameter's dtype
         opt_bytes=opt_total / max(num_params, 1),
     )
+    theory_comm = {
+        "data": theory_comm_bytes(stage=plan.stage, param_bytes_S=param_total, devices=n)
+    }
+    if plan.hybrid:
+        theory_comm = theory_comm_bytes_per_axis(
+            stage=plan.stage, param_bytes_S=param_total, devices=n, replicas=plan.replica_size
+        )
     on_cpu = any(d.platform == "cpu" for d in jax.tree.leaves(state.params)[0].devices())
     notes = (CPU_NOTE,) if on_cpu and min(itemsizes, default=4) < 4 else ()
     return Report(
@@ -213,6 +251,9 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         memory=memory,
         collectives=colls,
         comm_bytes=comm_bytes(list(colls)),
-        theory_comm_bytes=theory_comm_bytes(stage=plan.stage, param_bytes_S=param_total, devices=n),
+        theory_comm_bytes=sum(theory_comm.values()),
         notes=notes,
+        replicas=plan.replica_size,
+        comm_bytes_by_axis=by_axis,
+        theory_comm_bytes_by_axis=theory_comm,
     )

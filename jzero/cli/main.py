@@ -76,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=float, help="optimizer bytes per param (default 12 mixed, 8 fp32)")
     p.add_argument("--precision", default="mixed", help="mixed (default) or fp32")
     p.add_argument("--model-parallel", type=int, default=1, help="tensor-parallel degree M")
+    p.add_argument(
+        "--shard-group",
+        type=int,
+        metavar="G",
+        help="hybrid sharding (HSDP): shard model states within groups of G devices, "
+        "replicate across the N/G groups",
+    )
     p.add_argument("--largest-layer", type=params, default=0.0, help="params of largest layer")
     p.add_argument("--prefetch", action="store_true", help="stage 3 gathers two layers at once")
     for flag in _ACTIVATION_FLAGS:
@@ -125,6 +132,9 @@ def _format(result: dict) -> str:
         f"N = {inp['devices']}, K = {inp['k']:g}, {inp['precision']} precision, "
         f"M = {inp['model_parallel']}"
     )
+    if inp.get("shard_group") is not None:
+        replicas = inp["devices"] // inp["shard_group"]
+        setting += f", HSDP: shard group G = {inp['shard_group']} x {replicas} replicas"
     parts = []
     if "estimates" in result:
         rows = [["stage", "name", *_COLUMNS]]
@@ -155,6 +165,11 @@ def _estimate(args: argparse.Namespace) -> int:
         raise ValueError("--plot draws one model: add --params, e.g. --params 7.5B.")
     if args.measured is not None and not args.plot:
         raise ValueError("--measured overlays points on a plot: add --plot FILE.png.")
+    if args.plot and args.shard_group is not None:
+        raise ValueError(
+            "--plot draws model states against N (ZeRO's Figure 1) and takes no "
+            "--shard-group; drop one of them."
+        )
     common = dict(
         devices=args.devices,
         k=args.k,
@@ -164,6 +179,7 @@ def _estimate(args: argparse.Namespace) -> int:
         prefetch=args.prefetch,
         activation_bytes=_activation_bytes(args),
         buffer_bytes=args.buffer_bytes,
+        shard_group=args.shard_group,
     )
     stages = STAGES if args.stage is None else (args.stage,)
     k = DEFAULT_K.get(args.precision) if args.k is None else args.k

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
+from .checksum import checksums
 from .precision import Precision
 from .state import ZeroState
 
@@ -127,8 +129,8 @@ def check_batch(batch: Any, n: int, grad_accum: int) -> None:
         if not shape or shape[0] % n:
             raise ValueError(
                 f"batch leaf {name} has shape {shape}; its leading (batch) dimension must be "
-                f"divisible by the data-axis size {n}. Use a batch size that is a multiple of "
-                f"{n}."
+                f"divisible by the {n} data-parallel devices (the data-axis size, times "
+                f"'replica' on a hybrid mesh). Use a batch size that is a multiple of {n}."
             )
         if shape[0] % (n * grad_accum):
             raise ValueError(
@@ -206,3 +208,52 @@ def check_precision(precision: Any) -> Precision:
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a jzero.Precision, got {type(precision)}.")
     return precision
+
+
+def check_global_batch(batch: Any) -> None:
+    """In a multi-process run, every batch leaf must be a global ``jax.Array``.
+
+    A numpy (host) batch is ambiguous there -- the global batch on every process, or this
+    process's rows? -- and taking it for the global batch trains on the wrong rows.
+    """
+    if jax.process_count() == 1:
+        return
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if not isinstance(x, jax.Array):
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} is a {type(x).__name__} in a run of "
+                f"{jax.process_count()} processes, where a host array is ambiguous. Pass "
+                "jzero.distributed.global_batch(mesh, local_rows) with this process's rows, "
+                "or a global jax.Array (jax.make_array_from_process_local_data)."
+            )
+
+
+def check_same_on_every_process(tree: Any, what: str) -> None:
+    """In a multi-process run, ``tree``'s host values are equal on every process.
+
+    Compares per-leaf checksums (:mod:`.checksum`, computed on a local device) across
+    processes; global arrays (spanning processes) are one value by construction.
+    """
+    if jax.process_count() == 1:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    local = [
+        (path, x)
+        for path, x in leaves
+        if not (isinstance(x, jax.Array) and not x.is_fully_addressable)
+    ]
+    device = jax.local_devices()[0]
+    sums = checksums(
+        [jax.device_put(x, device) for _, x in local], [tuple(x.shape) for _, x in local]
+    )
+    mine = np.array([[int(h, 16) for h in s.split("-")] for s in sums], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [process, leaf, 2]
+    for i, (path, _) in enumerate(local):
+        differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p, i], every[0, i])]
+        if differ:
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path)} differs between processes (process "
+                f"{differ[0]} vs process 0): every process must pass the same values. Use "
+                "init(init_fn=...) with the same key on every process (it builds the params "
+                "inside jit, already sharded), or load the same file everywhere."
+            )

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .mesh import DATA
+from .mesh import DATA, REPLICA
 
 DEFAULT_MIN_SHARD_SIZE = 0
 """By default every leaf but scalars is sharded, as in FSDP2. Raising the threshold keeps
@@ -87,11 +87,12 @@ def leaf_layout(
     shape = tuple(int(s) for s in shape)
     user_spec = P() if user_spec is None else user_spec
     entries = _entries(user_spec, len(shape))
-    if any(e == DATA or (isinstance(e, tuple) and DATA in e) for e in entries):
-        raise ValueError(
-            f"a user PartitionSpec {user_spec} names the {DATA!r} axis; jzero adds 'data' "
-            "itself. Give specs over your other axes only (e.g. P(None, 'model'))."
-        )
+    for axis, why in ((DATA, "jzero adds 'data' itself"), (REPLICA, "it replicates over it")):
+        if any(e == axis or (isinstance(e, tuple) and axis in e) for e in entries):
+            raise ValueError(
+                f"a user PartitionSpec {user_spec} names the {axis!r} axis; {why}. Give "
+                "specs over your other axes only (e.g. P(None, 'model'))."
+            )
     size = 1
     for s in shape:
         size *= s

@@ -1,4 +1,9 @@
-"""The device mesh: jzero partitions along its ``data`` axis and leaves other axes alone."""
+"""The device mesh: jzero partitions along its ``data`` axis and leaves other axes alone.
+
+An optional ``replica`` axis makes the run *hybrid* (FSDP2's HSDP, ZeRO++'s hpZ, MiCS):
+model states are sharded within a ``data`` group (e.g. one host's devices, fast links)
+and replicated across the ``replica`` groups (slow links); the batch is split over both.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 DATA = "data"
 """Name of the mesh axis that jzero partitions model states along."""
+
+REPLICA = "replica"
+"""Name of the optional mesh axis that model states are replicated across (hybrid sharding):
+the batch is split over ``(replica, data)`` and gradient shards are all-reduced across it."""
 
 logger = logging.getLogger("jzero")
 
@@ -48,12 +57,46 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     return mesh
 
 
+def hybrid_mesh(replicas: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``('replica', 'data')`` mesh: ``replicas`` groups of ``len(devices) // replicas``.
+
+    Model states are sharded over each group's ``data`` axis and replicated across the
+    groups (hybrid sharding, HSDP). Consecutive devices (default: ``jax.devices()``, which
+    lists each host's devices together) form a group, so put one host's devices in one
+    group: its collectives use the fast links, and only the gradient shards cross hosts.
+
+    Examples:
+        >>> mesh = jzero.core.mesh.hybrid_mesh(2)  # 8 devices: 2 replicas x 4
+        >>> dict(mesh.shape)
+        {'replica': 2, 'data': 4}
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive int, got {replicas!r}.")
+    if not devices or len(devices) % replicas:
+        raise ValueError(
+            f"hybrid_mesh({replicas}) needs a device count divisible by {replicas}, got "
+            f"{len(devices)} device(s); pass a number of replicas that divides it."
+        )
+    grid = np.array(devices).reshape(replicas, len(devices) // replicas)
+    mesh = Mesh(grid, (REPLICA, DATA), axis_types=(AxisType.Auto, AxisType.Auto))
+    logger.info("jzero.hybrid_mesh: %d replica(s) x 'data' groups of %d device(s)", *grid.shape)
+    return mesh
+
+
 def check_mesh(mesh: Mesh) -> int:
     """Validates ``mesh`` for jzero and returns the size of its ``data`` axis."""
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
             "build one with jzero.data_mesh() or jax.make_mesh(..., ('data', ...))."
+        )
+    if DATA not in mesh.axis_names and REPLICA in mesh.axis_names:
+        raise ValueError(
+            f"mesh has axes {mesh.axis_names}: a {REPLICA!r} axis but no {DATA!r} axis. Hybrid "
+            f"sharding shards model states within a {DATA!r} group and replicates them across "
+            f"{REPLICA!r}; build the mesh with jzero.core.mesh.hybrid_mesh(replicas) or "
+            "jax.make_mesh((r, g), ('replica', 'data'))."
         )
     if DATA not in mesh.axis_names:
         raise ValueError(
@@ -83,6 +126,12 @@ def fit_specs(params: Any, specs: Any, mesh: Mesh, *, drop_data: bool = True) ->
         name, entries = jax.tree_util.keystr(path), []
         for dim, axes in enumerate(spec or ()):
             axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if REPLICA in axes:
+                raise ValueError(
+                    f"param {name}: the PartitionSpec {spec} names the {REPLICA!r} axis; "
+                    f"model states are replicated across {REPLICA!r} (hybrid sharding). "
+                    "Give specs over your other axes only (e.g. P(None, 'model'))."
+                )
             if DATA in axes and not drop_data:
                 raise ValueError(
                     f"param {name}: the PartitionSpec {spec} names the {DATA!r} axis; jzero "

@@ -16,9 +16,15 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .checks import check_leaves, check_precision, check_same_tree, check_state
+from .checks import (
+    check_leaves,
+    check_precision,
+    check_same_on_every_process,
+    check_same_tree,
+    check_state,
+)
 from .layout import DEFAULT_MIN_SHARD_SIZE
-from .mesh import check_mesh, fit_specs
+from .mesh import REPLICA, check_mesh, fit_specs
 from .placement import full_params, full_state, init_program
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
@@ -31,7 +37,11 @@ class ZeroOptimizer:
 
     Args:
         tx: the Optax transformation, e.g. ``optax.adamw(3e-4)``.
-        mesh: a mesh with a ``'data'`` axis (other axes are left to the user's specs).
+        mesh: a mesh with a ``'data'`` axis (other axes are left to the user's specs). With
+            a ``'replica'`` axis too (:func:`jzero.core.mesh.hybrid_mesh`) the sharding is
+            hybrid (HSDP): model states are sharded within each ``'data'`` group and
+            replicated across ``'replica'``; the batch is split over both, and gradients are
+            reduced within the group, then their shards all-reduced across replicas.
         stage: 0 (plain data parallel), 1 (optimizer state partitioned), 2 (+ gradients),
             3 (+ parameters).
         min_shard_size: leaves with fewer elements, and scalars, stay replicated (default 0:
@@ -73,6 +83,7 @@ class ZeroOptimizer:
             raise ValueError(f"min_shard_size must be >= 0, got {min_shard_size}.")
         self.tx, self.mesh, self.stage = tx, mesh, stage
         self.data_size = check_mesh(mesh)
+        self.replica_size = dict(mesh.shape).get(REPLICA, 1)
         self.min_shard_size = min_shard_size
         self.param_specs = param_specs
         self.precision = check_precision(Precision() if precision is None else precision)
@@ -150,6 +161,7 @@ class ZeroOptimizer:
                     "params holds jax.ShapeDtypeStruct leaves (abstract shapes) but no init_fn; "
                     "pass init_fn= to create the values, or pass concrete arrays."
                 )
+            check_same_on_every_process(params, "params")
             abstract, make, arg = params, lambda p: p, params
         else:
             abstract = jax.eval_shape(init_fn)

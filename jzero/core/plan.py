@@ -4,8 +4,10 @@ A :class:`Plan` is static and hashable. It holds the mesh, the ZeRO stage as dat
 model states are partitioned over ``data``: optimizer state from stage 1, gradients from
 stage 2, parameters at stage 3) and, per stored leaf, a :class:`Stored`: its layout (shard
 dimension, padding, ``PartitionSpec``), whether it is stored partitioned, its dtype and its
-memory kind. Everything else -- the step, init, export, accounting -- reads placement from
-here and nowhere else.
+memory kind. On a mesh with a ``replica`` axis (hybrid sharding) every layout and spec
+still names ``data`` only, so each stored leaf is replicated across ``replica``; the plan
+records the replica count and the axes the batch is split over. Everything else -- the
+step, init, export, accounting -- reads placement from here and nowhere else.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._table import table
 from .layout import LeafLayout, leaf_layout
-from .mesh import DATA
+from .mesh import DATA, REPLICA
 
 Stage = Literal[0, 1, 2, 3]
 
@@ -81,7 +83,33 @@ class Plan:
 
     @property
     def data_size(self) -> int:
+        """G: the devices of one ``data`` group, which model states are sharded over."""
         return self.mesh.shape[DATA]
+
+    @property
+    def hybrid(self) -> bool:
+        """The mesh has a ``replica`` axis: model states are replicated across it (HSDP)."""
+        return REPLICA in self.mesh.axis_names
+
+    @property
+    def replica_size(self) -> int:
+        """R: the ``data`` groups holding a copy of every model state; 1 if not hybrid."""
+        return self.mesh.shape[REPLICA] if self.hybrid else 1
+
+    @property
+    def dp_size(self) -> int:
+        """R·G: the data-parallel degree, the devices the batch is split over."""
+        return self.replica_size * self.data_size
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The mesh axes the step's ``shard_map`` is manual over (others are left to XLA)."""
+        return frozenset({DATA, REPLICA}) if self.hybrid else frozenset({DATA})
+
+    @property
+    def batch_axes(self) -> str | tuple[str, ...]:
+        """The axes the batch is split over, and losses and model states averaged over."""
+        return (REPLICA, DATA) if self.hybrid else DATA
 
     @property
     def partitions_opt_state(self) -> bool:

@@ -1,18 +1,10 @@
 """The training step: forward/backward under ``shard_map``, then the global-view Optax update.
 
-Per stage, inside ``shard_map`` over 'data' (local view):
-
-- 0: grads of the local loss, ``psum`` (all-reduce) over 'data'.
-- 1: grads of the local loss, held whole until backward ends, then ``psum_scatter``
-  (reduce-scatter) leaf by leaf; the updated shards are ``all_gather``-ed afterwards.
-- 2: each sharded leaf enters the loss through :class:`Sharded`, whose backward
-  reduce-scatters that leaf's gradient as soon as backward produces it.
-- 3: each sharded leaf is ``all_gather``-ed where used (:func:`gather`); backward gathers
-  it again (remat) and its transpose reduce-scatters the gradient.
-
-Leaves below the size threshold are replicated and their gradients ``psum``-ed. The Optax
-update then runs under ``jit`` on the sharded arrays with the padding sliced off, so every
-transformation keeps its single-device meaning; XLA adds only scalar all-reduces (norms).
+Forward/backward runs in the local view (:mod:`.backward`: the collectives per stage, over
+'data', and across 'replica' when the mesh is hybrid). The Optax update then runs under
+``jit`` on the sharded arrays with the padding sliced off, so every transformation keeps
+its single-device meaning; XLA adds only scalar all-reduces (norms). In stages 1/2 the
+updated shards are ``all_gather``-ed afterwards.
 """
 
 from __future__ import annotations
@@ -26,140 +18,16 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .checks import check_batch, check_live, check_loss, check_state, split_model_state
-from .collectives import Sharded, after, all_gather, gather, reduce_scatter, regather_policy
-from .layout import LeafLayout, pad, unpad
-from .mesh import DATA
+from .backward import local_grads
+from .checks import check_batch, check_global_batch, check_live, check_state
+from .collectives import all_gather
+from .layout import pad, unpad
 from .placement import constrain, store, view
 from .plan import Plan
 from .precision import Precision
 from .state import ZeroState
 
 Metrics = dict[str, Any]
-
-
-def _varying(x: jax.Array) -> jax.Array:
-    # Differentiating a replicated input inside shard_map would psum its gradient
-    # implicitly; differentiate a varying copy instead and reduce explicitly.
-    return jax.lax.pcast(x, DATA, to="varying")
-
-
-def _local_shape(lay: LeafLayout) -> tuple[int, ...]:
-    shape = list(lay.padded)
-    shape[lay.dim] //= jax.lax.axis_size(DATA)
-    return tuple(shape)
-
-
-def _local_grads(
-    plan: Plan,
-    loss_fn: Callable,
-    *,
-    manual_gather: bool,
-    grad_accum: int,
-    precision: Precision,
-    has_aux: bool,
-    with_model_state: bool,
-):
-    """The shard_map body: (params at rest, model state, loss scale, local batch) ->
-    (loss, reduced gradients summed over devices and micro-batches, agreed model state, aux).
-    """
-    lays, reduce_dtype = plan.layouts, precision.reduce_dtype
-
-    def call_loss(params, model_state, batch):
-        if with_model_state:
-            out, model_state = split_model_state(loss_fn(params, model_state, batch))
-        else:
-            out = loss_fn(params, batch)
-        loss, aux = check_loss(out, has_aux=has_aux)
-        return loss, model_state, aux
-
-    def body(params, model_state, scale, batch):
-        leaves = jax.tree.leaves(params)
-        if plan.partitions_grads:  # differentiate zero "sinks" that receive the
-            # reduce-scattered gradients; the parameters enter through Sharded handles
-            sink = lambda lay: _varying(jnp.zeros(_local_shape(lay), reduce_dtype))
-            diff = [sink(lay) if lay.sharded else _varying(x) for x, lay in zip(leaves, lays)]
-            gathers = plan.partitions_params
-            wrap = lambda d: [
-                Sharded(s, x, lay, gathers=gathers) if lay.sharded else s
-                for s, x, lay in zip(d, leaves, lays)
-            ]
-        else:
-            diff = [_varying(x) for x in leaves]
-            wrap = lambda d: d
-
-        def local_loss(d, model_state, micro_batch):
-            p = jax.tree.unflatten(plan.params_def, wrap(d))
-            loss, model_state, aux = call_loss(
-                p if manual_gather else gather(p), model_state, micro_batch
-            )
-            loss = loss.astype(jnp.float32)
-            return loss * scale, (loss, model_state, aux)
-
-        if plan.partitions_params and not manual_gather:
-            # Everything is gathered up front: remat just the gathers, so backward gathers
-            # again. With manual_gather the user's per-layer remat (jax.checkpoint /
-            # nn.remat around the layer that calls jzero.gather) re-gathers instead; an
-            # outer policy here would override it and keep the layers' activations.
-            local_loss = jax.checkpoint(local_loss, policy=regather_policy)
-        grad_fn = jax.grad(local_loss, has_aux=True)
-        model_state = jax.tree.map(_varying, model_state)
-        if grad_accum == 1:
-            grads, (loss, model_state, aux) = grad_fn(diff, model_state, batch)
-        else:  # accumulate in fp32; stages 2/3 reduce-scatter every micro-batch
-            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
-
-            def accumulate(carry, micro_batch):
-                loss_sum, grads_sum, model_state = carry
-                grads, (loss, model_state, aux) = grad_fn(diff, model_state, micro_batch)
-                grads = [a + g.astype(a.dtype) for a, g in zip(grads_sum, grads)]
-                return (loss_sum + loss, grads, model_state), aux
-
-            zeros = [_varying(jnp.zeros(jax.typeof(x).shape, jnp.float32)) for x in diff]
-            init = (_varying(jnp.zeros((), jnp.float32)), zeros, model_state)
-            (loss, grads, model_state), aux = jax.lax.scan(accumulate, init, micro)
-            loss = loss / grad_accum
-            aux = jax.tree.map(_combine_micro, aux)
-            grads = [g.astype(reduce_dtype) for g in grads]
-        if plan.partitions_opt_state and not plan.partitions_grads:
-            # P_os alone: the whole local gradient exists before any of it is reduced
-            grads = after(grads, [g.reshape(-1)[:1] for g in grads])
-        grads = [_reduce(plan, g.astype(reduce_dtype), lay) for g, lay in zip(grads, lays)]
-        model_state = jax.tree.map(_agree, model_state)
-        aux = jax.tree.map(_agree_aux, aux)
-        loss = jax.lax.pmean(loss, DATA)
-        return loss, jax.tree.unflatten(plan.params_def, grads), model_state, aux
-
-    return body
-
-
-def _agree(x: jax.Array) -> jax.Array:
-    """One value of a model-state leaf on every device: the mean of floats (e.g. batch
-    statistics, as synchronised batch norm would give), the max of integers (counters)."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jax.lax.pmean(x, DATA)
-    return jax.lax.pmax(x, DATA)
-
-
-def _combine_micro(x: jax.Array) -> jax.Array:
-    """Aux over micro-batches (leading axis): the mean of floats, the sum of integers."""
-    return x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)
-
-
-def _agree_aux(x: jax.Array) -> jax.Array:
-    """Aux over devices: the mean of floats (per-batch metrics), the sum of integers (counts)."""
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jax.lax.pmean(x, DATA)
-    return jax.lax.psum(x, DATA)
-
-
-def _reduce(plan: Plan, g: jax.Array, lay: LeafLayout) -> jax.Array:
-    if not lay.sharded:
-        return jax.lax.psum(g, DATA)  # stage 0, and small replicated leaves
-    if plan.partitions_grads:
-        return g  # reduce-scattered already, inside backward
-    return reduce_scatter(g, lay)  # P_os: once, after backward
 
 
 class TrainStep:
@@ -174,6 +42,7 @@ class TrainStep:
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_live(state)
+        check_global_batch(batch)
         return self._jitted(state, batch)
 
     def lower(self, state: ZeroState, batch: Any) -> Any:
@@ -237,10 +106,10 @@ def make_train_step(
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state, stage=stage, mesh=mesh, mixed=precision.mixed, tx=tx)
         plan = state.plan
-        n = plan.data_size
+        n = plan.dp_size  # R·G: the batch is split over ('replica', 'data') when hybrid
         check_batch(batch, n, grad_accum)
         scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
-        body = _local_grads(
+        body = local_grads(
             plan,
             loss_fn,
             manual_gather=manual_gather,
@@ -257,10 +126,10 @@ def make_train_step(
                 jax.tree.unflatten(plan.params_def, [s.data_spec for s in plan.params]),
                 jax.tree.map(lambda _: P(), state.model_state),
                 P(),
-                jax.tree.map(lambda _: P(DATA), batch),
+                jax.tree.map(lambda _: P(plan.batch_axes), batch),
             ),
             out_specs=(P(), jax.tree.unflatten(plan.params_def, grad_specs), P(), P()),
-            axis_names={DATA},
+            axis_names=set(plan.manual_axes),
         )
         loss, grads, model_state, aux = fwd_bwd(state.params, state.model_state, scale, batch)
         # Global view from here: sums -> means (and unscaled), padding sliced off.
@@ -319,7 +188,7 @@ def _all_gather_params(plan: Plan, params: Any) -> Any:
         mesh=plan.mesh,
         in_specs=([lay.data_spec() for lay in plan.layouts],),
         out_specs=[P()] * len(plan.layouts),
-        axis_names={DATA},
+        axis_names=set(plan.manual_axes),
         check_vma=False,  # all_gather's result is replicated; vma cannot infer that
     )
     return jax.tree.unflatten(plan.params_def, gather_fn(shards))
