@@ -7,6 +7,7 @@ precision, remat), ``jzero.adapters`` (the Flax adapters, published as ``jzero.l
 """
 
 from jzero import checkpoint as checkpoint
+from jzero import distributed as distributed
 from jzero import linen as linen
 from jzero import nnx as nnx
 
@@ -20,6 +21,7 @@ from .core.collectives import Sharded as Sharded
 from .core.collectives import gather as gather
 from .core.layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
+from .core.mesh import hybrid_mesh as hybrid_mesh
 from .core.optimizer import ZeroOptimizer as ZeroOptimizer
 from .core.plan import Plan as Plan
 from .core.precision import Precision as Precision

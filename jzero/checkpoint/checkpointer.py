@@ -31,12 +31,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
+from ..core.checksum import checksums
 from ..core.optimizer import ZeroOptimizer
 from ..core.placement import state_shardings, store, view
 from ..core.plan import Plan, Stored
 from ..core.precision import LossScale
 from ..core.state import ZeroState
-from .checksum import checksums
 from .names import leaf_names, unflatten_names
 
 FORMAT, VERSION = "jzero-checkpoint", 1

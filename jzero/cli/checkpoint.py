@@ -17,8 +17,8 @@ import numpy as np
 
 from .._table import table
 from ..checkpoint.checkpointer import Checkpointer, CheckpointError
-from ..checkpoint.checksum import checksums
 from ..checkpoint.export import write_safetensors
+from ..core.checksum import checksums
 from .units import format_bytes
 
 _DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
