@@ -2,11 +2,14 @@
 
     python examples/train_classifier.py                 # stage 3 on 8 forced CPU devices
     python examples/train_classifier.py --stage 1 --steps 300
+    bash scripts/launch_local.sh 2 python examples/train_classifier.py   # 2 processes x 4
 
 The data (``--classes`` interleaved spiral arms with noise) is generated here. The model
 is an MLP whose hidden blocks (Linear -> BatchNorm -> ReLU) are stacked with ``nnx.vmap``
 and applied with ``nnx.scan``. ``jzero.nnx.TrainState`` partitions the ``nnx.Param``
 state over the devices and carries the BatchNorm statistics, identical on every device.
+Under ``scripts/launch_local.sh N`` every process generates the same data and places only
+its own rows of each batch; process 0 alone prints.
 Tensor names carry their shapes (B batch, H hidden width, C classes).
 """
 
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from devices import setup_devices
+from devices import global_batch, setup_devices
 from flax import nnx
 from progress import trend
 
@@ -88,6 +91,12 @@ def accuracy(model: Classifier, x_Bx2: np.ndarray, y_B: np.ndarray) -> float:
     return float(jnp.mean(jnp.argmax(model(x_Bx2), axis=-1) == y_B))
 
 
+def echo(*args, **kwargs) -> None:
+    """``print`` on process 0; nothing on the others of a multi-process run."""
+    if jzero.distributed.is_main_process():
+        print(*args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     devices = setup_devices(args.cpu_devices)
@@ -99,19 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     state = jzero.nnx.TrainState.create(model, tx=optax.adam(args.lr), mesh=mesh, stage=args.stage)
     del model  # the state holds the parameters now, partitioned per stage
     train_step = state.train_step(loss_fn)
-    print(f"devices: {len(devices)} x {devices[0].platform}; ZeRO stage {args.stage}")
-    print(state.zero.plan.describe())  # every Param leaf: shard dim, stored shape, spec
+    echo(f"devices: {len(devices)} x {devices[0].platform}; ZeRO stage {args.stage}")
+    echo(state.zero.plan.describe())  # every Param leaf: shard dim, stored shape, spec
 
     losses = []
     for step in range(args.steps):
         x_Bx2, y_B = spirals(args.batch_size, args.classes, rng)
-        state, metrics = train_step(state, {"x": x_Bx2, "y": y_B})
+        # The same global batch on every process, each placing its own rows.
+        state, metrics = train_step(state, global_batch(mesh, {"x": x_Bx2, "y": y_B}))
         losses.append(float(metrics["loss"]))
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {losses[-1]:.4f}")
+            echo(f"step {step:4d}  loss {losses[-1]:.4f}")
 
     acc = accuracy(state.model(), x_test, y_test)
-    print(f"{trend('loss', losses[0], losses[-1])}, test accuracy {acc:.3f}")
+    echo(f"{trend('loss', losses[0], losses[-1])}, test accuracy {acc:.3f}")
     return 0
 
 

@@ -4,6 +4,7 @@
     python examples/train_lm.py --stage 1 --steps 100 --out runs/zero1
     python examples/train_lm.py --checkpoint-dir runs/ckpt --save-every 100
     python examples/train_lm.py --checkpoint-dir runs/ckpt --resume     # after an interruption
+    bash scripts/launch_local.sh 2 python examples/train_lm.py            # 2 processes x 4 CPUs
 
 Without a GPU/TPU the script forces ``--cpu-devices`` CPU devices (default 8) so that the
 data axis is real; on GPUs it uses all of them. The last ``--val-fraction`` of the text is
@@ -15,6 +16,12 @@ and validation loss, a text sample and ``jzero.report``. Tensor names carry thei
 With ``--checkpoint-dir`` it saves a :class:`jzero.Checkpointer` checkpoint every
 ``--save-every`` steps and after the last; ``--resume`` continues from the newest valid one
 (at any stage or device count) exactly where it was: step, data position and loss curve.
+
+Under ``scripts/launch_local.sh N`` (or any launcher that sets ``JZERO_NUM_PROCESSES``)
+every process runs this script; ``devices.setup_devices`` joins them into one run over
+every process's devices (``--timeout`` bounds a lost peer). Each process draws the same
+global batches and validation windows and places only its own rows, so the run computes
+what one process over the same devices does; process 0 alone prints, logs and plots.
 """
 
 from __future__ import annotations
@@ -33,9 +40,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-from devices import setup_devices
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from devices import bounded, global_batch, setup_devices, sync_processes
 from progress import trend
 from tqdm import tqdm
 
@@ -96,7 +101,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--prompt", default="And God said")
-    p.add_argument("--cpu-devices", type=int, default=8, help="CPU devices forced without GPU")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        help="CPU devices forced without GPU (multi-process: $JZERO_LOCAL_CPU_DEVICES each)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="multi-process only: seconds for the processes to start and for a lost peer to "
+        "end the run (a training step, with its evaluation, must take less than 0.9x this)",
+    )
     p.add_argument(
         "--checkpoint-dir",
         type=Path,
@@ -119,9 +136,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def make_logger(out: Path) -> logging.Logger:
+    """OUT/train.log's logger on process 0; on the others one that writes nothing."""
     log = logging.getLogger(f"train_lm.{out.resolve()}")
     log.setLevel(logging.INFO)
     log.propagate = False
+    if not jzero.distributed.is_main_process():
+        log.addHandler(logging.NullHandler())
+        return log
     handler = logging.FileHandler(out / "train.log", mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     log.addHandler(handler)
@@ -163,9 +184,16 @@ def make_eval_loss(cfg: gpt.GPTConfig):
     return eval_loss
 
 
+def echo(*args, **kwargs) -> None:
+    """``print`` on process 0; nothing on the others of a multi-process run."""
+    if jzero.distributed.is_main_process():
+        print(*args, **kwargs)
+
+
 def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: int) -> str:
-    """Autoregressive sampling on one device, over a sliding window of ``cfg.seq_len``."""
-    params = jax.device_put(params, jax.devices()[0])
+    """Autoregressive sampling on one of this process's devices, over a sliding window of
+    ``cfg.seq_len``. ``params``: full arrays (``opt.full_params``, replicated everywhere)."""
+    params = jax.device_put(jax.tree.map(np.asarray, params), jax.local_devices()[0])
 
     @jax.jit
     def next_token(params, window_1xT, pos, key):
@@ -270,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--resume needs --checkpoint-dir DIR, the directory to resume from")
         if args.save_every is not None:
             parser.error("--save-every needs --checkpoint-dir DIR, where the checkpoints go")
-    devices = setup_devices(args.cpu_devices)
+    if not args.timeout >= 1:
+        parser.error(f"--timeout {args.timeout:g} is below 1 second (default 300)")
+    devices = setup_devices(args.cpu_devices, timeout=args.timeout)
     # Each device takes batch-size / devices rows, split again into grad-accum micro-batches.
     n, k = len(devices), args.grad_accum
     if args.batch_size % (n * k):
@@ -305,10 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"at step {steps[-1]}); add --resume to continue that run, or use an empty "
                 "directory"
             )
+        # Every process has looked at the directory before the next line creates it.
+        sync_processes("train_lm: --checkpoint-dir checked")
         ckpt = jzero.Checkpointer(
             args.checkpoint_dir, max_to_keep=KEEP, save_every=args.save_every or SAVE_EVERY
         )
-    args.out.mkdir(parents=True, exist_ok=True)
+    if jzero.distributed.is_main_process():
+        args.out.mkdir(parents=True, exist_ok=True)
     log = make_logger(args.out)
     try:
         return run(args, parser, devices, train_text, val_text, log, ckpt)
@@ -373,8 +406,11 @@ def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
     else:
         state = opt.init(init_fn=init_fn)
     n_params = gpt.count_params(shapes)
-    print(f"devices: {len(devices)} x {devices[0].platform}; GPT {n_params:,} params, {cfg}")
-    print(layout_summary(state))
+    where = f"{len(devices)} x {devices[0].platform}"
+    if jax.process_count() > 1:
+        where += f" ({jax.process_count()} processes x {jax.local_device_count()})"
+    echo(f"devices: {where}; GPT {n_params:,} params, {cfg}")
+    echo(layout_summary(state))
     log.info("%s", layout_summary(state))
     tokens_per_step = args.batch_size * cfg.seq_len
     if args.resume:
@@ -387,7 +423,7 @@ def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
         line += "".join(
             f"; skipped invalid step {s}: {' '.join(why.split())}" for s, why in restored.skipped
         )
-        print(line)
+        echo(line)
         log.info("%s", line)
         saved_flags = restored.extra.get("run", {})
         changed = [
@@ -397,21 +433,21 @@ def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
         ]
         if changed:
             note = f"note: {', '.join(changed)}: the rest differs from an uninterrupted run"
-            print(note)
+            echo(note)
             log.info("%s", note)
         replay(log, curve, tokens_per_step)  # the run so far, as it was logged
     # manual_gather: the model gathers each layer's parameters inside its nn.scan body.
     train_step = opt.train_step(
         gpt.make_loss_fn(cfg), manual_gather=True, grad_accum=args.grad_accum
     )
-    batch_sharding = NamedSharding(mesh, P("data"))
     # Validation: the held-out text tiled once, padded to whole windows per device. It is
-    # scored on the full parameters (gathered, replicated), the windows split over 'data'.
+    # scored on the full parameters (gathered, replicated), the windows split over 'data'
+    # (each process places its own: global_batch, as for the training batches).
     val_windows = data.eval_windows(val_text, seq_len=cfg.seq_len, multiple_of=len(devices))
-    val_windows = jax.device_put(val_windows, batch_sharding)
-    eval_loss = make_eval_loss(cfg)
     n_val = int(val_windows["weight"].sum())
-    print(
+    val_windows = global_batch(mesh, val_windows)
+    eval_loss = make_eval_loss(cfg)
+    echo(
         f"data: {len(train_text):,} bytes train, {len(val_text):,} held out "
         f"(last {args.val_fraction:.0%}, {n_val} windows of {cfg.seq_len} targets)"
     )
@@ -433,34 +469,41 @@ def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
         initial=start,
         total=args.steps,
         dynamic_ncols=True,
+        disable=not jzero.distributed.is_main_process(),
     )
-    for step in bar:
-        batch = jax.device_put(next(batches), batch_sharding)  # {"tokens": int32[B, T+1]}
-        batches_drawn += 1
-        t0 = time.perf_counter()
-        state, metrics = train_step(state, batch)
-        loss = float(metrics["loss"])  # waits for the step
-        dt = time.perf_counter() - t0
-        curve.losses.append(loss)
-        curve.grad_norms.append(float(metrics["grad_norm"]))
-        curve.lrs.append(float(schedule(step)))
-        curve.step_seconds.append(dt)
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
-            val_loss = evaluate(done)
-        tok_s = f"{tokens_per_step / dt:,.0f}"
-        bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": tok_s})
-        log_step(log, curve, step, tokens_per_step)
-        if ckpt is not None and (done % save_every == 0 or done == args.steps):
-            # Asynchronous: returns once the arrays are off the devices; the next step may
-            # donate them. `extra` carries what the arrays do not: data position and curve.
-            extra = curve.to_extra(batches_drawn, run_flags)
-            ckpt.save(done, state, extra=extra, force=done == args.steps)
+    # Multi-process: a lost peer ends every survivor with a message (and exit status 1)
+    # within 0.9 x --timeout, before JAX's own heartbeat timeout (--timeout) would.
+    with bounded(0.9 * args.timeout) as watchdog:
+        for step in bar:
+            # Every process draws the same global batch and places only its rows.
+            batch = global_batch(mesh, next(batches))  # {"tokens": int32[B, T+1]}
+            batches_drawn += 1
+            t0 = time.perf_counter()
+            state, metrics = train_step(state, batch)
+            loss = float(metrics["loss"])  # waits for the step
+            dt = time.perf_counter() - t0
+            curve.losses.append(loss)
+            curve.grad_norms.append(float(metrics["grad_norm"]))
+            curve.lrs.append(float(schedule(step)))
+            curve.step_seconds.append(dt)
+            done = step + 1
+            if done % args.eval_every == 0 or done == args.steps:
+                val_loss = evaluate(done)
+            tok_s = f"{tokens_per_step / dt:,.0f}"
+            bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": tok_s})
+            log_step(log, curve, step, tokens_per_step)
+            if ckpt is not None and (done % save_every == 0 or done == args.steps):
+                # Asynchronous: returns once the arrays are off the devices; the next step
+                # may donate them. `extra` carries what the arrays do not: data position
+                # and curve.
+                extra = curve.to_extra(batches_drawn, run_flags)
+                ckpt.save(done, state, extra=extra, force=done == args.steps)
+            watchdog.beat()
     bar.close()
     if ckpt is not None:
         ckpt.wait()
         line = f"checkpoints: steps {ckpt.all_steps()} in {args.checkpoint_dir}"
-        print(line)
+        echo(line)
         log.info("%s", line)
 
     losses, val_losses = curve.losses, curve.val_losses
@@ -471,8 +514,14 @@ def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
         f"lowest {best:.4f} after {best_step} steps",
     ]
     for line in summary:
-        print(line)
+        echo(line)
         log.info("%s", line)
+
+    params = opt.full_params(state)  # for the sample; a gather every process takes part in
+    if batch is None:  # resumed at --steps: no step ran here; any batch shows the layout
+        batch = global_batch(mesh, next(batches))
+    if not jzero.distributed.is_main_process():
+        return 0  # the plot, the sample and the report are process 0's
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(losses, lw=0.8, label="training (batch)")
@@ -487,14 +536,11 @@ def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
     print(f"wrote {args.out / 'train.log'} and {args.out / 'loss.png'}")
 
     # ---------------------------------------------------------------- sample
-    params = opt.full_params(state)
     text = sample(cfg, params, args.prompt, args.sample_tokens, args.temperature, args.seed)
     print(f"--- sample ({args.sample_tokens} tokens, temperature {args.temperature}) ---")
     print(text)
     log.info("sample %r", text)
 
-    if batch is None:  # resumed at --steps: no step ran here; any batch shows the layout
-        batch = jax.device_put(next(batches), batch_sharding)
     print(jzero.report(train_step, state, batch))
     return 0
 

@@ -6,7 +6,10 @@ import io
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import _models
@@ -356,6 +359,83 @@ def test_train_lm_refuses_checkpoint_dir_mixups(runs, tmp_path, capsys):
         f"--steps 5 is the total, but the checkpoint is at step {N} already; "
         f"pass --steps {N} or more"
     )
+
+
+# ------------------------------------------------------------------ several processes
+REPO = Path(__file__).resolve().parents[1]
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]\d+)?|nan|inf")
+
+
+def launch_local(n, argv, timeout):
+    """``bash scripts/launch_local.sh n python examples/train_lm.py *argv`` (the launcher
+    sets JZERO_*): (exit status, stdout, stderr, seconds). Past ``timeout`` the whole
+    process group (launcher and its processes) is killed and the test fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JZERO_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = ["bash", str(REPO / "scripts/launch_local.sh"), str(n), sys.executable]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [*cmd, str(REPO / "examples/train_lm.py"), *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, to kill on timeout
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{n} processes still running after {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+def numbers_and_text(lines):
+    """(every number in ``lines``, the lines with each number replaced by '#')."""
+    nums = [float(x) for line in lines for x in NUMBER.findall(line)]
+    return nums, [NUMBER.sub("#", line) for line in lines]
+
+
+@pytest.mark.slow  # real processes: in CI (-m ''), not in the quick default run
+def test_train_lm_on_two_processes_trains_like_one(runs, tmp_path):
+    """The resume tests' straight run (1 process x 8 CPU devices) again as 2 processes x 4
+    through scripts/launch_local.sh: the same global batches, each process placing its rows,
+    so the same run up to float32 rounding (the gradient sums go through gloo instead)."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    argv = [*RESUME, "--out", str(out), "--checkpoint-dir", str(ckpt), "--timeout", "120"]
+    status, stdout, stderr, seconds = launch_local(2, argv, timeout=400)
+    assert status == 0, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    print(f"2 processes: {seconds:.1f} s from launch to exit")
+
+    # Process 0 alone prints and writes: one of each line, one train.log and loss.png.
+    assert stdout.count("devices: 8 x cpu (2 processes x 4);") == 1
+    assert stdout.count(f"wrote {out / 'train.log'} and {out / 'loss.png'}\n") == 1
+    assert stdout.count(f"checkpoints: steps [{SAVE_EVERY}, {N}] in {ckpt}\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "train.log"]
+    assert (out / "loss.png").stat().st_size > 0
+
+    # The exact curve (the final checkpoint's `extra`, written by both processes): the
+    # losses, gradient norms and validation losses to float32 rounding; the rest exactly.
+    want, _ = saved(runs / "straight/ckpt", N)
+    got, _ = saved(ckpt, N)
+    for key in ("losses", "grad_norms"):
+        np.testing.assert_allclose(got.pop(key), want.pop(key), rtol=1e-5, err_msg=key)
+    got_val, want_val = got.pop("val_losses"), want.pop("val_losses")
+    assert [s for s, _ in got_val] == [s for s, _ in want_val] == [0, 5, 10, 15, 20]
+    np.testing.assert_allclose([v for _, v in got_val], [v for _, v in want_val], rtol=1e-5)
+    assert len(got.pop("step_seconds")) == len(want.pop("step_seconds")) == N
+    assert got == want  # step, data position, learning rates, flags
+
+    # train.log (steps, evaluations, summary and sample, without timings): the same lines
+    # but for their numbers, which agree to their printed precision (losses and norms have 4
+    # decimals: atol 1e-4 is one unit of the last digit, which fp32 rounding may flip).
+    got_nums, got_text = numbers_and_text(logged(out))
+    want_nums, want_text = numbers_and_text(logged(runs / "straight/out"))
+    assert got_text == want_text
+    assert len([line for line in got_text if line.startswith("step ")]) == N
+    np.testing.assert_allclose(got_nums, want_nums, rtol=1e-5, atol=1e-4)
 
 
 def test_validation_text_is_held_out_and_tiled_once():
