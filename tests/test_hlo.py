@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from _hlo_text import ALL_REDUCE_MODULE
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -157,21 +158,6 @@ def test_auto_sharded_iota_and_mesh_groups():
     ]
 
 
-_MODULE = """HloModule m, num_partitions=8
-
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %s = f32[] add(%x, %y)
-}
-
-ENTRY %main (p: f32[1024]) -> f32[1024] {
-  %p = f32[1024]{0} parameter(0)
-  ROOT %ar = f32[1024]{0} all-reduce(%p), channel_id=1, GROUPS, to_apply=%add
-}
-"""
-
-
 @pytest.mark.parametrize(
     "groups, size",
     [
@@ -189,12 +175,12 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
     ],
 )
 def test_replica_group_forms(groups, size):
-    (c,) = collectives(_MODULE.replace("GROUPS", groups))
+    (c,) = collectives(ALL_REDUCE_MODULE.replace("GROUPS", groups))
     assert (c.group_size, c.computation, c.name) == (size, "main", "ar")
 
 
 def test_empty_groups_use_num_devices_argument():
-    (c,) = collectives(_MODULE.replace("GROUPS", "replica_groups={}"), num_devices=4)
+    (c,) = collectives(ALL_REDUCE_MODULE.replace("GROUPS", "replica_groups={}"), num_devices=4)
     assert c.group_size == 4
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hlo_text import ALL_REDUCE_MODULE
 from _models import (
     awkward_batches,
     awkward_loss,
@@ -258,21 +259,6 @@ def test_one_d_mesh_report_has_only_the_data_axis():
     assert "over data" not in str(rep)
 
 
-_MODULE = """HloModule m, num_partitions=8
-
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %s = f32[] add(%x, %y)
-}
-
-ENTRY %main (p: f32[1024]) -> f32[1024] {
-  %p = f32[1024]{0} parameter(0)
-  ROOT %ar = f32[1024]{0} all-reduce(%p), channel_id=1, GROUPS, to_apply=%add
-}
-"""
-
-
 @pytest.mark.parametrize(
     "groups, axes",
     [
@@ -292,7 +278,7 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
     ],
 )
 def test_groups_are_classified_by_the_mesh_axes_they_span(groups, axes):
-    (c,) = collectives(_MODULE.replace("GROUPS", groups))
+    (c,) = collectives(ALL_REDUCE_MODULE.replace("GROUPS", groups))
     assert mesh_axes(c, {"replica": 2, "data": 4}) == axes
 
 
