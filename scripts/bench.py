@@ -10,10 +10,22 @@ and step time, each beside docs/design.md §1's theory where there is one.
     python scripts/bench.py                        # readable table
     python scripts/bench.py --json out.json        # docs/design.md §5's JSON
     python scripts/bench.py --quick                # small model, few steps (~20 s)
+    python scripts/bench.py --checkpoint-only      # checkpoint throughput alone (~1 min)
 
 ``--quick`` checks only the design targets that hold at any model size (model states and
 dp/zero1/zero2 communication against theory, final losses against dp); the peak, step-time
 and zero3-communication targets need the full-size model and are skipped, saying so.
+
+Checkpoint throughput (``--checkpoint``, on by default, off under ``--quick`` unless given;
+``--checkpoint-only`` skips the training runs): a separate GPT of at least
+``--checkpoint-mb`` MB of model states (params + Adam state, fp32; default 300) is trained
+one step at stage 3, then, each repetition in a fresh temporary directory, timed with
+``time.perf_counter``: an async ``jzero.Checkpointer.save`` until it returns (the
+device-to-host copy) and until ``wait()`` returns, ``restore`` into the same layout and into
+stage 1 on half the devices, and ``export_safetensors``. One untimed warm-up repetition
+first (it compiles); the medians of ``--checkpoint-reps`` more are reported as MB/s of the
+true (unpadded) state bytes, MB = 1e6 (the export: of the parameters' bytes, all it writes).
+No targets: the figures depend on the machine.
 
 Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Field notes:
 
@@ -32,8 +44,10 @@ import argparse
 import functools
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -74,7 +88,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runs", default=",".join(name for name, _ in RUNS), help="subset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-devices", type=int, default=8, help="forced CPU devices")
+    ap.add_argument(
+        "--checkpoint",
+        action=argparse.BooleanOptionalAction,
+        help="measure checkpoint save/restore/export throughput (default: on; off with --quick)",
+    )
+    ap.add_argument(
+        "--checkpoint-only", action="store_true", help="only the checkpoint measurement"
+    )
+    ap.add_argument(
+        "--checkpoint-mb",
+        type=float,
+        default=300.0,
+        help="model states (params + Adam state) of the checkpointed model, at least this "
+        "many MB (1e6 bytes; default 300)",
+    )
+    ap.add_argument(
+        "--checkpoint-reps", type=int, default=3, help="timed repetitions (median; default 3)"
+    )
     args = ap.parse_args(argv)
+    if args.checkpoint_only and args.checkpoint is False:
+        ap.error("--checkpoint-only contradicts --no-checkpoint")
+    if args.checkpoint is None:
+        args.checkpoint = args.checkpoint_only or not args.quick
+    if args.checkpoint_mb <= 0 or args.checkpoint_reps < 1:
+        ap.error("--checkpoint-mb must be > 0 and --checkpoint-reps >= 1")
     quick = {"layers": 2, "d_model": 64, "seq_len": 32, "batch": 16, "steps": 5}
     full = {"layers": 8, "d_model": 256, "seq_len": 64, "batch": 16, "steps": 20}
     for key, value in (quick if args.quick else full).items():
@@ -185,7 +223,180 @@ def run_auto_fsdp(tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]
     )  # fmt: skip
 
 
+# ------------------------------------------------------------------ checkpoint throughput
+CKPT_OPS = ("save_blocking", "save_total", "restore_same", "restore_other", "export")
+ADAMW = "adamw(1e-3, eps=1e-6, wd=0.01)"
+
+
+def _adamw() -> optax.GradientTransformation:
+    return optax.adamw(1e-3, eps=1e-6, weight_decay=0.01)
+
+
+def checkpoint_config(mb: float, *, vocab: int = 256, seq_len: int = 64) -> gpt.GPTConfig:
+    """The GPT whose params + Adam state (3 x 4 bytes per parameter) first reach ``mb`` MB:
+    d_model the widest of 64-1024 with one layer's states <= mb / 4, then the fewest
+    layers (at most 1,000)."""
+
+    def cfg(d: int, layers: int) -> gpt.GPTConfig:
+        return gpt.GPTConfig(
+            vocab_size=vocab, seq_len=seq_len, d_model=d, n_heads=max(1, d // 64),
+            n_layers=layers, dtype=jnp.float32,
+        )  # fmt: skip
+
+    def states(c: gpt.GPTConfig) -> int:
+        init_fn = functools.partial(gpt.init_params, c, jax.random.key(0))
+        return 12 * gpt.count_params(jax.eval_shape(init_fn))
+
+    target = mb * 1e6
+    per_layer = lambda d: states(cfg(d, 2)) - states(cfg(d, 1))
+    d = max([64] + [d for d in (128, 256, 512, 1024) if per_layer(d) <= target / 4])
+    base, step = states(cfg(d, 1)), per_layer(d)
+    layers = max(1, math.ceil((target - base) / step) + 1)
+    while layers > 1 and states(cfg(d, layers - 1)) >= target:  # the arithmetic is exact;
+        layers -= 1  # these two loops only guard it
+    while states(cfg(d, layers)) < target and layers < 1000:
+        layers += 1
+    return cfg(d, layers)
+
+
+def checkpoint_model(mb: float, *, seed: int = 0, vocab: int = 256, seq_len: int = 64):
+    """``(cfg, opt, state, like)``: :func:`checkpoint_config`'s GPT at stage 3 over all
+    devices after one ``adamw`` step (so Adam's moments are not zeros, which compress)."""
+    cfg = checkpoint_config(mb, vocab=vocab, seq_len=seq_len)
+    init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(seed))
+    mesh = jzero.data_mesh()
+    opt = jzero.ZeroOptimizer(_adamw(), mesh, stage=3)
+    state = opt.init(init_fn=init_fn)
+    n = mesh.shape["data"]
+    tokens = jax.random.randint(jax.random.key(seed + 1), (n, seq_len + 1), 0, vocab)
+    batch = {"tokens": jax.device_put(tokens, NamedSharding(mesh, P("data")))}
+    state, _ = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True)(state, batch)
+    return cfg, opt, jax.block_until_ready(state), jax.eval_shape(init_fn)
+
+
+def _true_bytes(stored) -> int:
+    """Bytes of the leaves at their true (unpadded) shapes."""
+    return sum(math.prod(s.layout.shape) * np.dtype(s.dtype).itemsize for s in stored)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
+
+
+def _checkpoint_rep(opt, other, state, like, directory: str) -> tuple[dict[str, float], int, int]:
+    """One repetition in ``directory``: the five times (s), checkpoint and export bytes."""
+    times: dict[str, float] = {}
+    ckpt = jzero.Checkpointer(os.path.join(directory, "ckpt"))
+    try:
+        start = time.perf_counter()
+        ckpt.save(int(state.step), state)
+        times["save_blocking"] = time.perf_counter() - start
+        ckpt.wait()
+        times["save_total"] = time.perf_counter() - start
+        written = _dir_bytes(ckpt.directory)
+        for name, target in (("restore_same", opt), ("restore_other", other)):
+            start = time.perf_counter()
+            restored = ckpt.restore(target, like)
+            jax.block_until_ready(restored.state)
+            times[name] = time.perf_counter() - start
+            del restored
+    finally:
+        ckpt.close()
+    path = os.path.join(directory, "model.safetensors")
+    start = time.perf_counter()
+    jzero.checkpoint.export_safetensors(opt, state, path)
+    times["export"] = time.perf_counter() - start
+    return times, written, os.path.getsize(path)
+
+
+def bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    """docs/design.md §5's ``checkpoint`` object (fields: benchmarks/README.md)."""
+    cfg, opt, state, like = checkpoint_model(args.checkpoint_mb, seed=args.seed)
+    plan = state.plan
+    params_bytes = _true_bytes(plan.master if plan.master is not None else plan.params)
+    state_bytes = _true_bytes(plan.params) + _true_bytes(plan.opt)
+    state_bytes += _true_bytes(plan.master) if plan.master is not None else 0
+    devices = jax.devices()[: plan.data_size]
+    half = max(1, len(devices) // 2)
+    other = jzero.ZeroOptimizer(_adamw(), jzero.data_mesh(devices[:half]), stage=1)
+    reps, written, exported = [], [], []
+    with tempfile.TemporaryDirectory(prefix="jzero-bench-ckpt-") as tmp:
+        for rep in range(1 + args.checkpoint_reps):  # the first, untimed one compiles
+            directory = os.path.join(tmp, f"rep{rep}")
+            os.makedirs(directory)
+            times, ckpt_bytes, export_bytes = _checkpoint_rep(opt, other, state, like, directory)
+            reps.append(times)
+            written.append(ckpt_bytes)
+            exported.append(export_bytes)
+    ops = {}
+    for op in CKPT_OPS:
+        nbytes = params_bytes if op == "export" else state_bytes
+        seconds = float(statistics.median(r[op] for r in reps[1:]))
+        ops[op] = {
+            "bytes": int(nbytes),
+            "seconds": seconds,
+            "mb_per_s": nbytes / 1e6 / seconds,
+            "seconds_reps": [float(r[op]) for r in reps[1:]],
+            "seconds_cold": float(reps[0][op]),
+        }
+    name = f"gpt-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}-T{cfg.seq_len}-V{cfg.vocab_size}"
+    return {
+        "model": {
+            "name": name,
+            "params": int(gpt.count_params(like)),
+            "layers": cfg.n_layers,
+            "d_model": cfg.d_model,
+            "dtype": jnp.dtype(cfg.dtype).name,
+        },
+        "optimizer": ADAMW,
+        "stage": plan.stage,
+        "devices": plan.data_size,
+        "restore_other": {"stage": other.stage, "devices": other.data_size},
+        "state_bytes": int(state_bytes),
+        "params_bytes": int(params_bytes),
+        "bytes_written": int(statistics.median_low(written[1:])),
+        "export_bytes_written": int(statistics.median_low(exported[1:])),
+        "reps": args.checkpoint_reps,
+        "ops": ops,
+    }
+
+
+def checkpoint_table(ck: dict[str, Any]) -> str:
+    """The ``checkpoint`` object as a head line and an aligned table (MB = 1e6 bytes)."""
+    m, other = ck["model"], ck["restore_other"]
+    head = (
+        f"checkpoint: {m['name']}: {m['params']:,} params ({m['dtype']}), stage "
+        f"{ck['stage']} on {ck['devices']} devices; state {ck['state_bytes'] / 1e6:,.1f} MB "
+        f"(params + optimizer state), {ck['bytes_written'] / 1e6:,.1f} MB written; median "
+        f"of {ck['reps']} (cold: the first, untimed run)"
+    )
+    labels = {
+        "save_blocking": "save (returns)",
+        "save_total": "save (on disk)",
+        "restore_same": f"restore (stage {ck['stage']}, {ck['devices']} devices)",
+        "restore_other": f"restore (stage {other['stage']}, {other['devices']} devices)",
+        "export": "export_safetensors (params)",
+    }
+    rows = [("operation", "MB", "s", "MB/s", "cold s")]
+    for op in CKPT_OPS:
+        r = ck["ops"][op]
+        rows.append((
+            labels[op], f"{r['bytes'] / 1e6:,.1f}", f"{r['seconds']:.3f}",
+            f"{r['mb_per_s']:,.1f}", f"{r['seconds_cold']:.3f}",
+        ))  # fmt: skip
+    return "\n".join([head, _table.table(rows, right={1, 2, 3, 4})])
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.checkpoint_only:
+        return {
+            "platform": jax.devices()[0].platform,
+            "devices": jax.device_count(),
+            "jax": jax.__version__,
+            "checkpoint": bench_checkpoint(args),
+        }
     mesh = jzero.data_mesh()
     n = mesh.shape["data"]
     cfg = gpt.GPTConfig(
@@ -194,7 +405,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
     loss_fn = gpt.make_loss_fn(cfg)
-    tx = optax.adamw(1e-3, eps=1e-6, weight_decay=0.01)
+    tx = _adamw()
     stream = data.batches(
         data.load_corpus(), batch_size=args.batch, seq_len=args.seq_len, seed=args.seed
     )
@@ -229,9 +440,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "steps": args.steps,
             "seed": args.seed,
-            "optimizer": "adamw(1e-3, eps=1e-6, wd=0.01)",
+            "optimizer": ADAMW,
         },  # fmt: skip
         "runs": runs,
+        **({"checkpoint": bench_checkpoint(args)} if args.checkpoint else {}),
     }
 
 
@@ -326,7 +538,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result, quick=args.quick))
+    if "runs" in result:
+        print(table(result, quick=args.quick))
+    if "checkpoint" in result:
+        print(("\n" if "runs" in result else "") + checkpoint_table(result["checkpoint"]))
     return result
 
 

@@ -1,6 +1,7 @@
 """scripts/bench.py: on a tiny GPT the JSON it writes has docs/design.md §5's schema and
 --quick prints only the targets that hold at any size; on the committed benchmark JSON the
-table and targets are the ones benchmarks/README.md shows."""
+table and targets are the ones benchmarks/README.md shows; --checkpoint-only on a 4 MB
+model writes the "checkpoint" object benchmarks/README.md describes, its state bytes exact."""
 
 import importlib.util
 import json
@@ -8,6 +9,7 @@ import math
 import re
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,13 @@ QUICK_LINES = [
     "zero3 final loss rel. diff vs dp",
     "auto_fsdp final loss rel. diff vs dp",
 ]
+
+CKPT_OPS = ["save_blocking", "save_total", "restore_same", "restore_other", "export"]
+CKPT_OP_FIELDS = {"bytes", "seconds", "mb_per_s", "seconds_reps", "seconds_cold"}
+CKPT_FIELDS = {
+    "model", "optimizer", "stage", "devices", "restore_other", "state_bytes", "params_bytes",
+    "bytes_written", "export_bytes_written", "reps", "ops",
+}  # fmt: skip
 
 
 def _load_bench():
@@ -136,3 +145,44 @@ def test_bench_table_and_targets_on_the_committed_run():
         "PASS auto_fsdp final loss rel. diff vs dp 8.15e-08",
         QUICK_TAIL,
     ]
+
+
+def test_bench_checkpoint_throughput_fields(tmp_path, capsys):
+    bench = _load_bench()
+    out = tmp_path / "ck.json"
+    argv = ["--checkpoint-only", "--checkpoint-mb", "4", "--checkpoint-reps", "2"]
+    bench.main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("checkpoint: gpt-L") and printed[1].startswith("operation")
+    assert len(printed) == 2 + len(CKPT_OPS)  # head, header row, one row per operation
+
+    result = json.loads(out.read_text())
+    assert set(result) == {"platform", "devices", "jax", "checkpoint"}  # no training runs
+    ck = result["checkpoint"]
+    assert set(ck) == CKPT_FIELDS
+    assert (ck["stage"], ck["devices"]) == (3, 8)
+    assert ck["restore_other"] == {"stage": 1, "devices": 4}
+    assert ck["reps"] == 2 and list(ck["ops"]) == CKPT_OPS
+    for op, r in ck["ops"].items():
+        assert set(r) == CKPT_OP_FIELDS, op
+        assert r["bytes"] == (ck["params_bytes"] if op == "export" else ck["state_bytes"])
+        assert r["seconds"] > 0 and r["mb_per_s"] > 0 and r["seconds_cold"] > 0, op
+        assert len(r["seconds_reps"]) == 2 and all(t > 0 for t in r["seconds_reps"]), op
+        assert r["seconds"] == pytest.approx(sum(r["seconds_reps"]) / 2)  # the median of 2
+        assert r["mb_per_s"] == pytest.approx(r["bytes"] / 1e6 / r["seconds"])
+    assert ck["bytes_written"] > 0
+    assert ck["export_bytes_written"] > ck["params_bytes"]  # the tensors and a header
+
+    # The state bytes, independently: the same model's state at its true shapes
+    # (replicated, unpadded), summed over the live arrays. fp32: no master weights.
+    cfg, opt, state, like = bench.checkpoint_model(4)
+    full = opt.full_state(state)
+    assert full.master is None
+    params = sum(x.nbytes for x in jax.tree.leaves(full.params))
+    opt_state = sum(x.nbytes for x in jax.tree.leaves(full.opt_state))
+    assert ck["params_bytes"] == params
+    assert ck["state_bytes"] == params + opt_state >= 4e6
+    assert ck["model"]["params"] == sum(x.size for x in jax.tree.leaves(like))
+    assert ck["model"]["name"] == (
+        f"gpt-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}-T{cfg.seq_len}-V{cfg.vocab_size}"
+    )
