@@ -120,13 +120,13 @@ def test_bench_table_and_targets_on_the_committed_run():
         "PASS zero3 comm/theory 0.9956",
         "PASS dp comm/theory 1.0000",
         "PASS zero3 peak / dp peak 0.162 <= 0.25",
-        "PASS zero1 time / dp 0.951 <= 1.10",
-        "PASS zero2 time / dp 0.871 <= 1.10",
+        "PASS zero1 time / dp 0.936 <= 1.10",
+        "PASS zero2 time / dp 0.882 <= 1.10",
         "PASS zero1 final loss rel. diff vs dp 0.00e+00",
         "PASS zero2 final loss rel. diff vs dp 0.00e+00",
         "PASS zero3 final loss rel. diff vs dp 0.00e+00",
         "PASS auto_fsdp final loss rel. diff vs dp 8.15e-08",
-        "PASS zero3 time / auto_fsdp 0.644 <= 1",
+        "PASS zero3 time / auto_fsdp 0.683 <= 1",
         "PASS zero3 peak / auto_fsdp 0.901 <= 1",
     ]
     # --quick on the same numbers: the size-independent targets only, named first.
