@@ -20,31 +20,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import PartitionSpec as P
 
 from ..core.checksum import checksums
 from ..core.optimizer import ZeroOptimizer
-from ..core.placement import state_shardings, store, view
-from ..core.plan import Plan, Stored
-from ..core.precision import LossScale
 from ..core.state import ZeroState
-from .names import leaf_names, unflatten_names
+from .format import FORMAT, VERSION, CheckpointError, flatten
+from .relayout import assemble_state, restore_targets
 
-FORMAT, VERSION = "jzero-checkpoint", 1
 logger = logging.getLogger("jzero")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be restored: missing, corrupt, or of another model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,44 +52,6 @@ class Restored:
     step: int
     extra: Any
     skipped: tuple[tuple[int, str], ...] = ()
-
-
-def _key(group: str, name: str) -> str:
-    return f"{group}.{name}" if name else group
-
-
-def _weights_stored(plan: Plan) -> tuple[Stored, ...]:
-    """Where the fp32 weights live: the master weights' layout, else the parameters'."""
-    return plan.master if plan.master is not None else plan.params
-
-
-def _flatten(state: ZeroState) -> tuple[dict[str, jax.Array], dict[str, tuple[int, ...]]]:
-    """The state as ``{name: stored array}`` and ``{name: true shape}``."""
-    plan = state.plan
-    weights = state.master if plan.master is not None else state.params
-    groups = [
-        ("weights", weights, [s.layout.shape for s in _weights_stored(plan)]),
-        ("opt_state", state.opt_state, [s.layout.shape for s in plan.opt]),
-        ("model_state", state.model_state, None),
-        ("loss_scale", state.loss_scale, None),
-    ]
-    arrays, shapes = {"step": state.step}, {"step": ()}
-    for group, tree, true in groups:
-        leaves = jax.tree.leaves(tree)
-        true = true if true is not None else [tuple(x.shape) for x in leaves]
-        for name, x, shape in zip(leaf_names(tree), leaves, true):
-            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-                raise TypeError(
-                    f"{group} leaf {name!r} is a typed PRNG key; store its data instead "
-                    "(jax.random.key_data) and wrap it again after restore."
-                )
-            arrays[_key(group, name)] = x
-            shapes[_key(group, name)] = tuple(int(d) for d in shape)
-    return arrays, shapes
-
-
-def _target(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
 
 
 class Checkpointer:
@@ -182,7 +134,7 @@ class Checkpointer:
             ) from None
         if not force and not self._manager.should_save(step):
             return False
-        arrays, shapes = _flatten(state)
+        arrays, shapes = flatten(state)
         sums = checksums(list(arrays.values()), list(shapes.values()))
         plan = state.plan
         meta = {
@@ -306,7 +258,7 @@ class Checkpointer:
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
         plan = opt.plan(shapes)
         stored = meta["leaves"]
-        targets = self._targets(plan, stored, step, model_state, opt.precision.dynamic_loss_scale)
+        targets = restore_targets(plan, stored, step, model_state, opt.precision.dynamic_loss_scale)
         extra_leaves = set(stored) - set(targets)
         for name in sorted(extra_leaves, key=lambda n: (not n.startswith("weights"), n)):
             if name.split(".")[0] in ("weights", "opt_state"):
@@ -331,115 +283,7 @@ class Checkpointer:
                     f"checkpoint step {step}: leaf {name!r} fails its checksum (stored "
                     f"{stored[name]['checksum']}, read {got}): the data files are corrupt."
                 )
-        return self._assemble(opt, plan, arrays, targets, model_state), meta.get("extra")
-
-    def _targets(
-        self,
-        plan: Plan,
-        stored: dict[str, Any],
-        step: int,
-        model_state: Any,
-        dynamic_loss_scale: bool,
-    ) -> dict[str, tuple[jax.ShapeDtypeStruct, tuple[int, ...]]]:
-        """``{name: (restore target, true shape)}`` for the restoring plan, checked
-        against what the checkpoint holds."""
-        replicated = plan.sharding(P())
-        out = {"step": (_target((), jnp.int32, replicated), ())}
-        weights = jax.tree.unflatten(plan.params_def, _weights_stored(plan))
-        opt = jax.tree.unflatten(plan.opt_def, plan.opt)
-        for group, tree in (("weights", weights), ("opt_state", opt)):
-            is_stored = lambda x: isinstance(x, Stored)
-            for name, s in zip(
-                leaf_names(tree, is_leaf=is_stored), jax.tree.leaves(tree, is_leaf=is_stored)
-            ):
-                key = _key(group, name)
-                dtype = (
-                    np.dtype(jnp.float32)
-                    if group == "weights" and jnp.issubdtype(s.dtype, jnp.floating)
-                    else s.dtype
-                )
-                out[key] = (_target(s.shape, dtype, plan.sharding(s)), s.layout.shape)
-        if dynamic_loss_scale and "loss_scale.scale" in stored:
-            out["loss_scale.scale"] = (_target((), jnp.float32, replicated), ())
-            out["loss_scale.good_steps"] = (_target((), jnp.int32, replicated), ())
-        names = [n for n in stored if n.startswith("model_state.") or n == "model_state"]
-        if model_state is not None:
-            like_names = [_key("model_state", n) for n in leaf_names(model_state)]
-            if sorted(like_names) != sorted(names):
-                raise CheckpointError(
-                    f"checkpoint step {step}: its model state has leaves {sorted(names)}, but "
-                    f"model_state= has {sorted(like_names)}."
-                )
-        for name in names:
-            shape = tuple(stored[name]["shape"])
-            out[name] = (_target(shape, stored[name]["dtype"], replicated), shape)
-        for name, (target, shape) in out.items():
-            if name not in stored:
-                if name.startswith(("weights", "opt_state")) or name == "step":
-                    raise CheckpointError(
-                        f"checkpoint step {step} has no leaf {name!r}: the parameter tree or "
-                        "the Optax transformation differs from the one saved."
-                    )
-                continue
-            want = (list(shape), str(target.dtype))
-            got = (stored[name]["shape"], stored[name]["dtype"])
-            if want != got:
-                raise CheckpointError(
-                    f"checkpoint step {step}: leaf {name!r} is {got[1]}{got[0]} in the "
-                    f"checkpoint but {want[1]}{want[0]} in the restoring model; restore into "
-                    "the model that was saved (true shapes and dtypes must match)."
-                )
-        return out
-
-    def _assemble(
-        self,
-        opt: ZeroOptimizer,
-        plan: Plan,
-        arrays: dict[str, jax.Array],
-        targets: dict[str, Any],
-        model_state: Any,
-    ) -> ZeroState:
-        """The restored arrays -> a :class:`ZeroState` of ``plan`` (params cast from the
-        fp32 weights, master weights kept under mixed precision)."""
-        precision = opt.precision
-        group = lambda g: [arrays[k] for k in targets if k.split(".")[0] == g and k in arrays]
-        weights = jax.tree.unflatten(plan.params_def, group("weights"))
-        opt_state = jax.tree.unflatten(plan.opt_def, group("opt_state"))
-        loss_scale = None
-        if precision.dynamic_loss_scale:
-            if "loss_scale.scale" in arrays:
-                loss_scale = LossScale(arrays["loss_scale.scale"], arrays["loss_scale.good_steps"])
-            else:
-                loss_scale = LossScale.create(precision)
-        named = {
-            k.removeprefix("model_state").removeprefix("."): arrays[k]
-            for k in targets
-            if k.startswith("model_state") and k in arrays
-        }
-        if model_state is not None:
-            rebuilt = jax.tree.unflatten(
-                jax.tree.structure(model_state), [named[n] for n in leaf_names(model_state)]
-            )
-        elif "" in named:
-            rebuilt = named[""]
-        else:
-            rebuilt = unflatten_names(named) if named else None
-
-        def build(weights, opt_state, step, loss_scale):
-            w = view(weights, _weights_stored(plan))
-            return ZeroState(
-                step=step,
-                params=store(precision.cast(w), plan.params),
-                opt_state=opt_state,
-                model_state=None,
-                master=None if plan.master is None else store(w, plan.master),
-                loss_scale=loss_scale,
-                plan=plan,
-            )
-
-        fn = jax.jit(build, out_shardings=state_shardings(plan, precision))
-        state = fn(weights, opt_state, arrays["step"], loss_scale)
-        return state.replace(model_state=rebuilt)
+        return assemble_state(opt, plan, arrays, targets, model_state), meta.get("extra")
 
 
 def _first_line(e: BaseException) -> str:
@@ -451,9 +295,3 @@ def _first_line(e: BaseException) -> str:
 def _leaf_hint(message: str, targets: Mapping[str, Any]) -> str:
     found = [k for k in targets if k in message]
     return f"; leaf {max(found, key=len)!r}" if found else ""
-
-
-def nbytes(state: ZeroState) -> int:
-    """Bytes a checkpoint of ``state`` stores (true shapes: no padding)."""
-    arrays, shapes = _flatten(state)
-    return sum(math.prod(shapes[k]) * np.dtype(x.dtype).itemsize for k, x in arrays.items())

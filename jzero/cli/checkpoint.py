@@ -16,8 +16,9 @@ import jax
 import numpy as np
 
 from .._table import table
-from ..checkpoint.checkpointer import Checkpointer, CheckpointError
+from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.export import write_safetensors
+from ..checkpoint.format import CheckpointError
 from ..core.checksum import checksums
 from .units import format_bytes
 

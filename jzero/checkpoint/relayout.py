@@ -1,0 +1,127 @@
+"""Laying a checkpoint out for a restoring plan: targets checked against the metadata,
+then one jitted program that assembles the :class:`ZeroState`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ..core.optimizer import ZeroOptimizer
+from ..core.placement import state_shardings, store, view
+from ..core.plan import Plan, Stored
+from ..core.precision import LossScale
+from ..core.state import ZeroState
+from .format import CheckpointError, array_target, leaf_key, weights_stored
+from .names import leaf_names, unflatten_names
+
+
+def restore_targets(
+    plan: Plan,
+    stored: dict[str, Any],
+    step: int,
+    model_state: Any,
+    dynamic_loss_scale: bool,
+) -> dict[str, tuple[jax.ShapeDtypeStruct, tuple[int, ...]]]:
+    """``{name: (restore target, true shape)}`` for the restoring plan, checked
+    against what the checkpoint holds."""
+    replicated = plan.sharding(P())
+    out = {"step": (array_target((), jnp.int32, replicated), ())}
+    weights = jax.tree.unflatten(plan.params_def, weights_stored(plan))
+    opt = jax.tree.unflatten(plan.opt_def, plan.opt)
+    for group, tree in (("weights", weights), ("opt_state", opt)):
+        is_stored = lambda x: isinstance(x, Stored)
+        for name, s in zip(
+            leaf_names(tree, is_leaf=is_stored), jax.tree.leaves(tree, is_leaf=is_stored)
+        ):
+            key = leaf_key(group, name)
+            dtype = (
+                np.dtype(jnp.float32)
+                if group == "weights" and jnp.issubdtype(s.dtype, jnp.floating)
+                else s.dtype
+            )
+            out[key] = (array_target(s.shape, dtype, plan.sharding(s)), s.layout.shape)
+    if dynamic_loss_scale and "loss_scale.scale" in stored:
+        out["loss_scale.scale"] = (array_target((), jnp.float32, replicated), ())
+        out["loss_scale.good_steps"] = (array_target((), jnp.int32, replicated), ())
+    names = [n for n in stored if n.startswith("model_state.") or n == "model_state"]
+    if model_state is not None:
+        like_names = [key("model_state", n) for n in leaf_names(model_state)]
+        if sorted(like_names) != sorted(names):
+            raise CheckpointError(
+                f"checkpoint step {step}: its model state has leaves {sorted(names)}, but "
+                f"model_state= has {sorted(like_names)}."
+            )
+    for name in names:
+        shape = tuple(stored[name]["shape"])
+        out[name] = (array_target(shape, stored[name]["dtype"], replicated), shape)
+    for name, (target, shape) in out.items():
+        if name not in stored:
+            if name.startswith(("weights", "opt_state")) or name == "step":
+                raise CheckpointError(
+                    f"checkpoint step {step} has no leaf {name!r}: the parameter tree or "
+                    "the Optax transformation differs from the one saved."
+                )
+            continue
+        want = (list(shape), str(target.dtype))
+        got = (stored[name]["shape"], stored[name]["dtype"])
+        if want != got:
+            raise CheckpointError(
+                f"checkpoint step {step}: leaf {name!r} is {got[1]}{got[0]} in the "
+                f"checkpoint but {want[1]}{want[0]} in the restoring model; restore into "
+                "the model that was saved (true shapes and dtypes must match)."
+            )
+    return out
+
+
+def assemble_state(
+    opt: ZeroOptimizer,
+    plan: Plan,
+    arrays: dict[str, jax.Array],
+    targets: dict[str, Any],
+    model_state: Any,
+) -> ZeroState:
+    """The restored arrays -> a :class:`ZeroState` of ``plan`` (params cast from the
+    fp32 weights, master weights kept under mixed precision)."""
+    precision = opt.precision
+    group = lambda g: [arrays[k] for k in targets if k.split(".")[0] == g and k in arrays]
+    weights = jax.tree.unflatten(plan.params_def, group("weights"))
+    opt_state = jax.tree.unflatten(plan.opt_def, group("opt_state"))
+    loss_scale = None
+    if precision.dynamic_loss_scale:
+        if "loss_scale.scale" in arrays:
+            loss_scale = LossScale(arrays["loss_scale.scale"], arrays["loss_scale.good_steps"])
+        else:
+            loss_scale = LossScale.create(precision)
+    named = {
+        k.removeprefix("model_state").removeprefix("."): arrays[k]
+        for k in targets
+        if k.startswith("model_state") and k in arrays
+    }
+    if model_state is not None:
+        rebuilt = jax.tree.unflatten(
+            jax.tree.structure(model_state), [named[n] for n in leaf_names(model_state)]
+        )
+    elif "" in named:
+        rebuilt = named[""]
+    else:
+        rebuilt = unflatten_names(named) if named else None
+
+    def build(weights, opt_state, step, loss_scale):
+        w = view(weights, weights_stored(plan))
+        return ZeroState(
+            step=step,
+            params=store(precision.cast(w), plan.params),
+            opt_state=opt_state,
+            model_state=None,
+            master=None if plan.master is None else store(w, plan.master),
+            loss_scale=loss_scale,
+            plan=plan,
+        )
+
+    fn = jax.jit(build, out_shardings=state_shardings(plan, precision))
+    state = fn(weights, opt_state, arrays["step"], loss_scale)
+    return state.replace(model_state=rebuilt)
