@@ -5,7 +5,7 @@ JSON. The arrays are the run's *weights* (the fp32 master weights under mixed pr
 else the parameters -- the 16-bit parameters are their cast, so nothing is lost), the Optax
 state, the step, the loss-scale state and the model state, each in the layout it had at
 rest (padded where it was partitioned). ``meta`` records, per array, its true shape, dtype
-and a checksum of its true region (:mod:`.checksum`), plus the stage, mesh and precision
+and a checksum of its true region (:mod:`jzero.core.checksum`), plus the stage, mesh and precision
 it was written with and the caller's ``extra``.
 
 Restoring lays every array out for the *restoring* optimizer's plan: Orbax reads each
