@@ -1,0 +1,209 @@
+"""Stage 3 per-layer gathering with activations kept: ``remat_layer(fn, policy=...)``.
+
+8 layers of (256x1024, 1024x256), Adam, 8 devices. With
+``policy=jax.checkpoint_policies.everything_saveable`` stage 3 keeps each layer's
+activations from forward (no forward recomputation, FSDP's trade) but still gathers every
+weight again in backward; ``policy=None`` recomputes the whole layer, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import reference
+
+import jzero
+from jzero.accounting import collectives
+
+N, L, D, H, B = 8, 8, 256, 1024, 64  # devices, layers, width, hidden, global batch
+KEEP = jax.checkpoint_policies.everything_saveable
+
+
+def mlp(p, x_BxD):
+    return x_BxD + jnp.tanh(x_BxD @ p["w1"]) @ p["w2"]
+
+
+BLOCKS = {
+    "recompute": jzero.remat_layer(mlp),  # default: re-gather and recompute the layer
+    "keep": jzero.remat_layer(mlp, policy=KEEP),  # re-gather, activations kept
+    "whole": mlp,  # with manual_gather=False: the whole model gathered up front
+}
+
+
+def make_params(scanned: bool):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    w1 = jax.random.normal(k1, (L, D, H), jnp.float32) / 16
+    w2 = jax.random.normal(k2, (L, H, D), jnp.float32) / 32
+    if scanned:
+        return {"layers": {"w1": w1, "w2": w2}}
+    return {"layers": [{"w1": w1[i], "w2": w2[i]} for i in range(L)]}
+
+
+def make_loss(block, scanned: bool):
+    def loss_fn(params, batch):
+        x_BxD = batch["x"]
+        if scanned:
+            x_BxD, _ = jax.lax.scan(lambda x, p: (block(p, x), None), x_BxD, params["layers"])
+        else:
+            for p in params["layers"]:  # a plain Python loop over layers
+                x_BxD = block(p, x_BxD)
+        return jnp.mean((x_BxD - batch["y"]) ** 2)
+
+    return loss_fn
+
+
+def _batch():
+    kx, ky = jax.random.split(jax.random.key(3))
+    return {"x": jax.random.normal(kx, (B, D)), "y": jax.random.normal(ky, (B, D)) * 0.5}
+
+
+SCANNED = {"unrolled": False, "scanned": True}
+
+
+@functools.cache
+def _compiled(mode: str, model: str, stage: int = 3):
+    scanned = SCANNED[model]
+    opt = jzero.ZeroOptimizer(optax.adam(1e-3), jzero.data_mesh(), stage=stage)
+    state = opt.init(make_params(scanned))
+    step = opt.train_step(make_loss(BLOCKS[mode], scanned), manual_gather=mode != "whole")
+    return step.lower(state, _batch()).compile()
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def _peak(compiled) -> int:
+    mem = compiled.memory_analysis()
+    return mem.argument_size_in_bytes + mem.temp_size_in_bytes
+
+
+def _dot_flops(hlo: str) -> int:
+    """2*M*N*K of every ``dot`` in an optimized HLO module, times the runs of its
+    computation (``while`` bodies by ``known_trip_count``): ``cost_analysis`` counts a
+    loop body once, so it cannot compare a scanned model's steps."""
+    header = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+    instr = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+    array = re.compile(r"\w+\[([\d,]*)\]\S*\s+(\w+)\((.*)$")  # shape, opcode, rest
+    calls = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+    trip = re.compile(r'"known_trip_count":\s*\{\s*"n":\s*"(\d+)"')
+    shapes, dots, callers, comp, entry = {}, [], {}, None, None
+    for line in hlo.splitlines():
+        if (h := header.match(line)) and not line.startswith("HloModule"):
+            comp, entry = h[2], h[2] if h[1] else entry
+        elif (m := instr.match(line)) and comp is not None:
+            if a := array.match(m[2]):
+                shapes[m[1]] = [int(d) for d in a[1].split(",") if d]
+                if a[2] == "dot":
+                    dots.append((comp, m[1], a[3]))
+            runs = int(t[1]) if " while(" in m[2] and (t := trip.search(m[2])) else 1
+            for callee in calls.findall(m[2]):
+                callers.setdefault(callee, []).append((comp, runs))
+
+    @functools.cache
+    def runs(c):
+        return 1 if c == entry else sum(runs(p) * n for p, n in callers.get(c, []))
+
+    total = 0
+    for comp, name, rest in dots:
+        lhs = re.match(r"%?([\w.\-]+)", rest)[1]
+        contracting = [
+            int(d) for d in re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)[1].split(",") if d
+        ]
+        k = math.prod(shapes[lhs][d] for d in contracting)
+        total += 2 * math.prod(shapes[name]) * k * runs(comp)
+    return total
+
+
+def _gathers(compiled) -> dict[tuple[int, ...], int]:
+    """All-gathers per step, by gathered shape (trip counts included)."""
+    out = {}
+    for c in collectives(compiled.as_text()):
+        if c.kind == "all-gather":
+            out[c.shape] = out.get(c.shape, 0) + c.trip_count
+    return out
+
+
+def test_keeping_activations_costs_the_whole_gather_flops():
+    # cost_analysis counts everything in the unrolled model (no loops).
+    keep, whole = _flops(_compiled("keep", "unrolled")), _flops(_compiled("whole", "unrolled"))
+    assert abs(keep - whole) <= 0.01 * whole, (keep, whole)
+    assert _flops(_compiled("recompute", "unrolled")) > 1.1 * whole  # the forward again
+
+
+@pytest.mark.parametrize("model", sorted(SCANNED))
+def test_keeping_activations_costs_the_whole_gather_matmuls(model):
+    # Matmul FLOPs with loop trip counts, so the scanned model is counted in full too.
+    dots = {m: _dot_flops(_compiled(m, model).as_text()) for m in BLOCKS}
+    first_matmul = 2 * (B // N) * D * H  # x@w1, per device
+    assert abs(dots["keep"] - dots["whole"]) <= 0.01 * dots["whole"], dots
+    # Full recompute: every layer's x@w1 once more (backward needs tanh(x@w1), not the
+    # layer's output, so XLA drops the recomputed h@w2).
+    assert dots["recompute"] == dots["whole"] + L * first_matmul, dots
+
+
+@pytest.mark.parametrize("model", sorted(SCANNED))
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_backward_gathers_every_weight_again(model, mode):
+    gathers = _gathers(_compiled(mode, model))
+    assert set(gathers) == {(D, H), (H, D)}  # per-layer gathers only
+    assert gathers[(H, D)] == 2 * L
+    # The first layer's input is the batch (no cotangent wanted), so with its activations
+    # kept the unrolled model's backward has no use for its w1; a scan body is one
+    # program for every layer, and recomputation needs w1 in every layer.
+    first_w1_unused = mode == "keep" and model == "unrolled"
+    assert gathers[(D, H)] == 2 * L - first_w1_unused
+
+
+@pytest.mark.parametrize("model", sorted(SCANNED))
+def test_peak_grows_by_about_the_saved_activations(model):
+    keep, recompute = _peak(_compiled("keep", model)), _peak(_compiled("recompute", model))
+    whole = _peak(_compiled("whole", model))
+    print(f"{model}: peak recompute {recompute:,} keep {keep:,} whole-gather {whole:,}")
+    assert recompute < keep < whole
+
+
+@pytest.mark.parametrize("model", sorted(SCANNED))
+def test_keep_matches_single_device_optax_and_recompute(model):
+    scanned = SCANNED[model]
+    batches = [_batch()] * 3
+    tx = lambda: optax.adam(1e-3, eps=1e-4)  # eps above gradient rounding noise
+    ref = reference(tx(), make_params(scanned), make_loss(mlp, scanned), batches)
+    finals = {}
+    for mode in ("keep", "recompute"):
+        opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=3)
+        state = opt.init(make_params(scanned))
+        step = opt.train_step(make_loss(BLOCKS[mode], scanned), manual_gather=True)
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
+        finals[mode] = jax.tree.leaves(opt.full_params(state))
+        for a, b in zip(finals[mode], jax.tree.leaves(ref.params)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(finals["keep"], finals["recompute"]):
+        np.testing.assert_array_equal(a, b)  # bitwise
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stages_0_to_2_with_policy_match_single_device_optax(stage):
+    # Outside stage 3 remat_layer is jax.checkpoint(fn, policy=policy), as before.
+    batches = [_batch()] * 2
+    tx = lambda: optax.adam(1e-3, eps=1e-4)
+    ref = reference(tx(), make_params(False), make_loss(mlp, False), batches)
+    opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage)
+    state = opt.init(make_params(False))
+    step = opt.train_step(make_loss(BLOCKS["keep"], False), manual_gather=True)
+    for batch in batches:
+        state, _ = step(state, batch)
+    for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
