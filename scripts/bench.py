@@ -11,6 +11,7 @@ and step time, each beside docs/design.md §1's theory where there is one.
     python scripts/bench.py --json out.json        # docs/design.md §5's JSON
     python scripts/bench.py --quick                # small model, few steps (~20 s)
     python scripts/bench.py --checkpoint-only      # checkpoint throughput alone (~1 min)
+    python scripts/bench.py --max-model 64MB       # largest model per stage (compile only)
 
 ``--quick`` checks only the design targets that hold at any model size (model states and
 dp/zero1/zero2 communication against theory, final losses against dp); the peak, step-time
@@ -26,6 +27,15 @@ stage 1 on half the devices, and ``export_safetensors``. One untimed warm-up rep
 first (it compiles); the medians of ``--checkpoint-reps`` more are reported as MB/s of the
 true (unpadded) state bytes, MB = 1e6 (the export: of the parameters' bytes, all it writes).
 No targets: the figures depend on the machine.
+
+Largest model (``--max-model BUDGET``, alone): the ZeRO paper's Table 2, measured. For DP
+and stages 1-3 over all devices, the most layers of ``examples/gpt.py`` at a fixed width
+(``--d-model``, default 128; ``--heads``, ``--seq-len``, ``--vocab``; global ``--batch``,
+default one sequence per device; fp32, ``adamw``) whose jzero train step
+(``manual_gather=True``) compiles to a peak (as below) <= BUDGET per device, found by
+compiling only (abstract states from ``jax.eval_shape`` of ``init_program``), from a guess
+through one layer and the model-states estimate, then doubling and bisection. Reported
+beside ``jzero.max_params`` for the same budget; target: zero3's params >= 7 x dp's.
 
 Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Field notes:
 
@@ -62,6 +72,8 @@ from jax.sharding import PartitionSpec as P
 import jzero
 from jzero import _table, report
 from jzero.accounting import collectives, comm_bytes, theory_comm_bytes, theory_model_state_bytes
+from jzero.accounting.estimate import transformer_activation_bytes
+from jzero.cli.units import parse_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import data  # noqa: E402  (examples/data.py: bytes of a small public-domain corpus)
@@ -106,7 +118,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--checkpoint-reps", type=int, default=3, help="timed repetitions (median; default 3)"
     )
+    ap.add_argument(
+        "--max-model",
+        metavar="BUDGET",
+        help="only the largest-model search: per stage, the most layers (width --d-model, "
+        "default 128) whose compiled step fits BUDGET per device (e.g. 64MB), compiling only",
+    )
     args = ap.parse_args(argv)
+    if args.max_model is not None:
+        if args.checkpoint_only or args.checkpoint or args.quick:
+            ap.error("--max-model runs alone: drop --checkpoint/--checkpoint-only/--quick")
+        try:
+            parse_bytes(args.max_model)
+        except ValueError as e:
+            ap.error(f"--max-model: {e}")
+        defaults = {"d_model": 128, "seq_len": 64}  # batch: one sequence per device
+        for key, value in defaults.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        args.checkpoint = False
+        return args
     if args.checkpoint_only and args.checkpoint is False:
         ap.error("--checkpoint-only contradicts --no-checkpoint")
     if args.checkpoint is None:
@@ -389,7 +420,201 @@ def checkpoint_table(ck: dict[str, Any]) -> str:
     return "\n".join([head, _table.table(rows, right={1, 2, 3, 4})])
 
 
+# ------------------------------------------------------------------ largest model per budget
+# The ZeRO paper's Table 2, measured by compiling only: for each stage, the most layers of
+# examples/gpt.py at a fixed width whose compiled train step fits a per-device budget.
+MAX_MODEL_RUNS = (("dp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
+MAX_MODEL_TARGET = 7.0  # zero3 / dp parameters (theory: N = 8 for model states alone)
+MAX_LAYERS = 100_000
+
+
+def _family_config(args: argparse.Namespace, layers: int) -> gpt.GPTConfig:
+    return gpt.GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+        n_heads=args.heads, n_layers=layers, dtype=jnp.float32,
+    )  # fmt: skip
+
+
+def _family_params(args: argparse.Namespace, layers: int) -> int:
+    init_fn = functools.partial(gpt.init_params, _family_config(args, layers), jax.random.key(0))
+    return gpt.count_params(jax.eval_shape(init_fn))
+
+
+def compiled_peak(args: argparse.Namespace, stage: int, layers: int, batch: int) -> int:
+    """``argument + output + temp - alias`` bytes per device of the compiled jzero train step
+    (``manual_gather=True``) of the family's GPT with ``layers`` blocks at ``stage``, over all
+    devices. Compile only: the state and batch are ``ShapeDtypeStruct`` s with shardings."""
+    cfg = _family_config(args, layers)
+    init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(0))
+    mesh = jzero.data_mesh()
+    opt = jzero.ZeroOptimizer(_adamw(), mesh, stage=stage)
+    fn, arg = opt.init_program(init_fn=init_fn)
+    state = jax.eval_shape(fn, arg)  # abstract, with the planned shardings
+    tokens = jax.ShapeDtypeStruct(
+        (batch, cfg.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P("data"))
+    )
+    step = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True)
+    mem = step.lower(state, {"tokens": tokens}).compile().memory_analysis()
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+    return int(peak - mem.alias_size_in_bytes)
+
+
+def largest_fitting(
+    peak, budget: float, guess: int, known: dict[int, int] | None = None
+) -> tuple[int, dict[int, int]]:
+    """The largest ``L >= 1`` with ``peak(L) <= budget`` (``peak`` nondecreasing in L), by
+    a doubling search outward from ``guess`` and then bisection; also every ``peak`` known
+    (``known``: peaks computed before) or computed. Raises ValueError if one layer does not
+    fit."""
+    seen: dict[int, int] = dict(known or {})
+
+    def fits(layers: int) -> bool:
+        if layers not in seen:
+            seen[layers] = peak(layers)
+        return seen[layers] <= budget
+
+    over = [L for L, p in seen.items() if p > budget]
+    lo = max([L for L, p in seen.items() if p <= budget], default=0)
+    hi = min(over) if over else None  # peak(lo) fits (lo = 0: none known), peak(hi) does not
+    if lo == 0 and not fits(1):
+        raise ValueError(f"one layer does not fit in {budget:,.0f} bytes: {seen[1]:,} bytes")
+    lo = max(lo, 1)
+    guess = min(max(guess, lo), MAX_LAYERS if hi is None else hi - 1)
+    if fits(guess):
+        lo, step = guess, 1
+        while hi is None or hi - lo > 1 and lo + step < hi:
+            if lo + step > MAX_LAYERS:
+                raise ValueError(f"more than {MAX_LAYERS:,} layers fit in {budget:,.0f} bytes")
+            if fits(lo + step):
+                lo, step = lo + step, 2 * step
+            else:
+                hi = lo + step
+    else:
+        hi, step = guess, 1
+        while hi - step > lo and not fits(hi - step):
+            hi, step = hi - step, 2 * step
+        lo = max(lo, hi - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    fits(hi)
+    return lo, seen
+
+
+def bench_max_model(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``max_model`` object (fields: benchmarks/README.md)."""
+    budget = parse_bytes(args.max_model)
+    n = jzero.data_mesh().shape["data"]
+    batch = args.batch if args.batch is not None else n
+    base = _family_params(args, 1)
+    per_layer = _family_params(args, 2) - base
+    base -= per_layer  # params(L) = base + L * per_layer (embeddings, final LayerNorm)
+    start = time.perf_counter()
+    stages = []
+
+    def acts(layers: int) -> float:  # Korthikanti et al.'s 16-bit bytes, x2 for fp32
+        return 2 * transformer_activation_bytes(
+            batch=max(1, batch // n), seq=args.seq_len, hidden=args.d_model,
+            layers=max(1, layers), heads=args.heads, checkpointing=True,
+        )  # fmt: skip
+
+    for name, stage in MAX_MODEL_RUNS:
+        states_only = jzero.max_params(
+            device_memory=budget, devices=n, stage=stage, precision="fp32"
+        )
+
+        def est_bytes(layers: int, stage: int = stage) -> float:
+            return jzero.estimate(
+                params=base + layers * per_layer, devices=n, stage=stage, precision="fp32",
+                largest_layer_params=per_layer, activation_bytes=acts(layers),
+            ).total_bytes  # fmt: skip
+
+        # A first guess from the estimator, one compile there, then a step along the
+        # estimator's bytes per layer to the guess the search starts from.
+        slope = est_bytes(2) - est_bytes(1)
+        guess = max(1, 1 + int((budget - est_bytes(1)) // slope))
+        peak = functools.partial(compiled_peak, args, stage, batch=batch)
+        seen0 = {guess: peak(guess)}
+        guess = max(1, guess + math.floor((budget - seen0[guess]) / slope))
+        layers, seen = largest_fitting(peak, budget, guess, known=seen0)
+        # The estimator with the terms beyond model states, at the found depth: stage 3's
+        # gathered layer (one block), and activations under full checkpointing.
+        full = jzero.max_params(
+            device_memory=budget, devices=n, stage=stage, precision="fp32",
+            largest_layer_params=per_layer, activation_bytes=acts(layers),
+        )  # fmt: skip
+        stages.append({
+            "name": name,
+            "stage": stage,
+            "layers": layers,
+            "params": base + layers * per_layer,
+            "peak_bytes": seen[layers],
+            "next_layers": layers + 1,
+            "next_params": base + (layers + 1) * per_layer,
+            "next_peak_bytes": seen[layers + 1],
+            "estimate_params": int(full),
+            "estimate_params_model_states": int(states_only),
+            "compiles": len(seen),
+        })  # fmt: skip
+    by_name = {s["name"]: s for s in stages}
+    return {
+        "budget": args.max_model,
+        "budget_bytes": int(budget),
+        "devices": n,
+        "family": {
+            "varies": "n_layers",
+            "d_model": args.d_model,
+            "n_heads": args.heads,
+            "seq_len": args.seq_len,
+            "vocab": args.vocab,
+            "batch": batch,
+            "dtype": "float32",
+            "optimizer": ADAMW,
+            "params_base": base,
+            "params_per_layer": per_layer,
+        },
+        "estimate": (
+            "estimate_params: jzero.max_params(precision='fp32', largest_layer_params=one "
+            "block, activation_bytes=2 x transformer_activation_bytes(checkpointing=True) at "
+            "the found layers); estimate_params_model_states: model states only"
+        ),
+        "stages": stages,
+        "zero3_over_dp": by_name["zero3"]["params"] / by_name["dp"]["params"],
+        "target": MAX_MODEL_TARGET,
+        "search_seconds": time.perf_counter() - start,
+    }
+
+
+def max_model_table(mm: dict[str, Any]) -> str:
+    """The ``max_model`` object as a head line, an aligned table (MB = 1e6 bytes) and the
+    zero3 / dp target line."""
+    f = mm["family"]
+    head = (
+        f"largest gpt-L?-d{f['d_model']}-h{f['n_heads']}-T{f['seq_len']}-V{f['vocab']} "
+        f"({f['dtype']}, batch {f['batch']}) whose compiled step fits {mm['budget']} "
+        f"({mm['budget_bytes'] / 1e6:,.1f} MB) per device, {mm['devices']} devices"
+    )
+    rows = [("run", "layers", "params", "peak MB", "L+1 peak MB", "estimate", "states-only est.")]
+    for s in mm["stages"]:
+        rows.append((
+            s["name"], str(s["layers"]), f"{s['params']:,}", f"{s['peak_bytes'] / 1e6:,.2f}",
+            f"{s['next_peak_bytes'] / 1e6:,.2f}", f"{s['estimate_params']:,}",
+            f"{s['estimate_params_model_states']:,}",
+        ))  # fmt: skip
+    ratio, target = mm["zero3_over_dp"], mm["target"]
+    verdict = "PASS" if ratio >= target else "FAIL"
+    line = f"{verdict} zero3 params / dp params {ratio:.2f} >= {target:g}"
+    return "\n".join([head, _table.table(rows, right={1, 2, 3, 4, 5, 6}), line])
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.max_model is not None:
+        return {
+            "platform": jax.devices()[0].platform,
+            "devices": jax.device_count(),
+            "jax": jax.__version__,
+            "max_model": bench_max_model(args),
+        }
     if args.checkpoint_only:
         return {
             "platform": jax.devices()[0].platform,
@@ -542,6 +767,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(table(result, quick=args.quick))
     if "checkpoint" in result:
         print(("\n" if "runs" in result else "") + checkpoint_table(result["checkpoint"]))
+    if "max_model" in result:
+        print(max_model_table(result["max_model"]))
     return result
 
 

@@ -10,7 +10,10 @@ import re
 from pathlib import Path
 
 import jax
+import optax
 import pytest
+
+import jzero
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench.py"
@@ -186,3 +189,88 @@ def test_bench_checkpoint_throughput_fields(tmp_path, capsys):
     assert ck["model"]["name"] == (
         f"gpt-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}-T{cfg.seq_len}-V{cfg.vocab_size}"
     )
+
+
+MAX_MODEL_FIELDS = {
+    "budget", "budget_bytes", "devices", "family", "estimate", "stages", "zero3_over_dp",
+    "target", "search_seconds",
+}  # fmt: skip
+MAX_MODEL_STAGE_FIELDS = {
+    "name", "stage", "layers", "params", "peak_bytes", "next_layers", "next_params",
+    "next_peak_bytes", "estimate_params", "estimate_params_model_states", "compiles",
+}  # fmt: skip
+
+
+def _peak(opt, cfg, batch):
+    """argument + output + temp - alias of the compiled step, compiled here independently."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    gpt = __import__("gpt")  # examples/gpt.py, on sys.path once bench.py is loaded
+    init_fn = lambda: gpt.init_params(cfg, jax.random.key(0))
+    state = jax.eval_shape(*opt.init_program(init_fn=init_fn))
+    sharding = NamedSharding(opt.mesh, P("data"))
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), "int32", sharding=sharding)
+    step = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True)
+    m = step.lower(state, {"tokens": tokens}).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - (m.alias_size_in_bytes)
+    )
+
+
+@pytest.mark.slow
+def test_bench_max_model_tiny_budget(tmp_path, capsys):
+    bench = _load_bench()
+    out = tmp_path / "mm.json"
+    argv = ["--max-model", "1MB", "--d-model", "32", "--heads", "2", "--seq-len", "16"]
+    bench.main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("largest gpt-L?-d32-h2-T16-V256 ") and len(printed) == 7
+    assert re.fullmatch(r"(PASS|FAIL) zero3 params / dp params \d+\.\d\d >= 7", printed[-1])
+
+    result = json.loads(out.read_text())
+    assert set(result) == {"platform", "devices", "jax", "max_model"}  # no training runs
+    mm = result["max_model"]
+    assert set(mm) == MAX_MODEL_FIELDS
+    assert mm["budget"] == "1MB" and mm["budget_bytes"] == 10**6 and mm["devices"] == 8
+    family = mm["family"]
+    assert family["varies"] == "n_layers" and family["d_model"] == 32 and family["batch"] == 8
+    stages = mm["stages"]
+    assert [(s["name"], s["stage"]) for s in stages] == [
+        ("dp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3),
+    ]  # fmt: skip
+    for s in stages:
+        assert set(s) == MAX_MODEL_STAGE_FIELDS, s["name"]
+        assert s["layers"] >= 1 and s["next_layers"] == s["layers"] + 1, s["name"]
+        # the largest that fits: its peak within the budget, one more layer's over it
+        assert s["peak_bytes"] <= mm["budget_bytes"] < s["next_peak_bytes"], s["name"]
+        per_layer = family["params_per_layer"]
+        assert s["params"] == family["params_base"] + s["layers"] * per_layer
+        assert s["next_params"] == s["params"] + per_layer
+        assert 0 < s["estimate_params"] <= s["estimate_params_model_states"], s["name"]
+    params = [s["params"] for s in stages]
+    assert params == sorted(params)  # zero3 >= zero2 >= zero1 >= dp
+    assert mm["zero3_over_dp"] == pytest.approx(params[3] / params[0])
+    # the estimator's states-only figure is exact: states 16 bytes/param / divisor <= budget
+    assert stages[0]["estimate_params_model_states"] == 10**6 // 16
+    assert stages[3]["estimate_params_model_states"] == 8 * 10**6 // 16
+
+    # zero3's found config and the next, compiled here independently: exact peaks.
+    gpt = __import__("gpt")
+    z3 = stages[3]
+    opt = jzero.ZeroOptimizer(
+        optax.adamw(1e-3, eps=1e-6, weight_decay=0.01), jzero.data_mesh(), stage=3
+    )
+    for layers, peak in (
+        (z3["layers"], z3["peak_bytes"]),
+        (z3["next_layers"], z3["next_peak_bytes"]),
+    ):
+        cfg = gpt.GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=layers)
+        assert _peak(opt, cfg, 8) == peak, layers
+        like = jax.eval_shape(lambda cfg=cfg: gpt.init_params(cfg, jax.random.key(0)))
+        assert gpt.count_params(like) == (
+            z3["params"] if layers == z3["layers"] else z3["next_params"]
+        )
