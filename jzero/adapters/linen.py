@@ -31,6 +31,7 @@ from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
 from ..core.state import ZeroState
+from .linen_layers import by_layer, layer_classes
 from .step import AdapterStep
 
 
@@ -44,6 +45,7 @@ class TrainState:
     zero: ZeroState
     apply_fn: Callable[..., Any] = struct.field(pytree_node=False)
     opt: ZeroOptimizer = struct.field(pytree_node=False)
+    layers: tuple[type[nn.Module], ...] = struct.field(pytree_node=False, default=())
 
     step = property(lambda self: self.zero.step)
     model_state = property(lambda self: self.zero.model_state, doc="Other collections.")
@@ -67,6 +69,7 @@ class TrainState:
         param_specs: Any = None,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
+        layers: type[nn.Module] | tuple[type[nn.Module], ...] = (),
     ) -> TrainState:
         """Partitions ``variables['params']`` per stage; ``tx``, ``mesh``, ``stage``,
         ``min_shard_size`` and ``precision`` as for :class:`jzero.ZeroOptimizer`.
@@ -75,7 +78,19 @@ class TrainState:
         ``functools.partial(model.init, key, x)``) and runs under ``jit`` with sharded
         outputs, so in stage 3 no device holds the whole model. ``param_specs`` (over the
         mesh's other axes) default to the ``nn.with_partitioning`` metadata.
+
+        ``layers``: a Linen Module class (or a tuple of them), e.g. ``layers=Block``, for
+        per-layer gathering without editing the model (FSDP's wrapping policy). The steps
+        then run ``loss_fn`` with ``manual_gather=True``: in stages 2/3 every instance of
+        ``layers`` called (its ``__call__``) inside ``loss_fn`` runs through
+        :func:`jzero.remat_layer`, gathering its own ``'params'`` at its call and again in
+        backward (stage 3 holds about one layer's gathered parameters at a time), while
+        every other parameter is gathered once up front. Stages 0/1 run the plain model.
+        Such layers must use only their ``'params'`` (no other collections, no RNGs);
+        ``loss_fn`` is traced once more, abstractly, to find them (``ValueError`` if it
+        calls none). Anything but a Module class raises ``TypeError``.
         """
+        layers = layer_classes(layers)
         if (variables is None) == (init_fn is None):
             raise ValueError("TrainState.create needs exactly one of variables= or init_fn=.")
         abstract = jax.eval_shape(init_fn) if variables is None else variables
@@ -105,7 +120,7 @@ class TrainState:
             )
         else:
             zero = opt.init(nn.unbox(variables["params"]), model_state=rest(variables))
-        return cls(zero=zero, apply_fn=apply_fn, opt=opt)
+        return cls(zero=zero, apply_fn=apply_fn, opt=opt, layers=layers)
 
     def train_step(
         self,
@@ -122,9 +137,12 @@ class TrainState:
         ``loss_fn(params, model_state, batch) -> (loss, updates)``: ``model_state`` is
         ``{'batch_stats': ...}``, ``updates`` what ``apply(..., mutable=[...])`` returns
         (collections it leaves out are kept). With ``has_aux`` the loss part is
-        ``(loss, aux)``. Options as for ``ZeroOptimizer.train_step``.
+        ``(loss, aux)``. Options as for ``ZeroOptimizer.train_step``; with ``create(...,
+        layers=...)``, ``manual_gather`` is always on (see there).
         """
         with_state = bool(self.model_state)
+        if self.layers:
+            loss_fn, manual_gather = by_layer(loss_fn, self.layers), True
 
         def inner(params, model_state, batch):
             out, updates = loss_fn(params, model_state, batch)
