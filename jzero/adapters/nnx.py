@@ -15,7 +15,10 @@ Examples:
     >>> model = state.model()  # an nnx.Module with the trained parameters
 
 Stage 3 holds about one layer's gathered parameters at a time with
-``state.train_step(loss_fn, manual_gather=True)`` when the model gathers each layer where it
+``TrainState.create(model, ..., layers=Block)``: every instance of ``Block`` in the model
+gathers its own Params at its call (rematerialised, again in backward), with no edit to the
+model (see ``tests/test_nnx_layers_option.py``). By hand, with
+``state.train_step(loss_fn, manual_gather=True)``, the model gathers each layer where it
 uses it, through :func:`remat_layer` (e.g. in the body of an ``nnx.scan``) and
 :func:`gathered` (see ``tests/test_nnx_layers.py``).
 """
@@ -38,6 +41,7 @@ from ..core.plan import Stage
 from ..core.precision import Precision
 from ..core.remat import remat_layer as _remat_layer
 from ..core.state import ZeroState
+from .nnx_layers import by_layer, check_layers, layer_classes
 from .step import AdapterStep
 
 
@@ -133,6 +137,7 @@ class TrainState:
         opt: the :class:`jzero.ZeroOptimizer` (static).
         params_def, rest_def: treedefs of the Param and other ``nnx.State`` (static).
         key_impls: per leaf of the other state, the PRNG impl of a key leaf, else None.
+        layers: the ``layers=`` classes gathered per layer (static; empty: none).
     """
 
     zero: ZeroState
@@ -141,6 +146,7 @@ class TrainState:
     params_def: Any = struct.field(pytree_node=False)
     rest_def: Any = struct.field(pytree_node=False)
     key_impls: tuple[Any, ...] = struct.field(pytree_node=False)
+    layers: tuple[type[nnx.Module], ...] = struct.field(pytree_node=False, default=())
 
     @classmethod
     def create(
@@ -153,6 +159,7 @@ class TrainState:
         param_specs: Any = None,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
+        layers: type[nnx.Module] | tuple[type[nnx.Module], ...] = (),
     ) -> TrainState:
         """Splits ``model`` and partitions its ``nnx.Param`` state per stage; ``tx``,
         ``mesh``, ``stage``, ``min_shard_size`` and ``precision`` as for
@@ -162,7 +169,21 @@ class TrainState:
         Params) default to the Params' ``nnx.with_partitioning`` metadata; stacked layers
         (``nnx.vmap``) need ``transform_metadata={nnx.PARTITION_NAME: None}`` so that their
         spec covers the stacked axis.
+
+        ``layers``: an ``nnx.Module`` class (or a tuple of them), e.g. ``layers=Block``, for
+        FSDP-style per-layer gathering with no edit to the model: in stages 2/3 every
+        instance of them in ``model`` gathers its own Params when called (its
+        ``__call__``), through :func:`remat_layer` (again in backward), and every other
+        Param is gathered once at the start of the step; stage 3 then holds about one
+        layer's gathered Params at a time. ``train_step`` then always runs with
+        ``manual_gather`` on. Layers are found in the module graph (their outermost
+        instances; nested ones run inside their parent's call); they must not be held in
+        tuples, and the loss may use their Params only by calling them. Raises TypeError for
+        anything but Module classes, ValueError when ``model`` holds no instance of them.
         """
+        layers = layer_classes(layers)
+        if layers:
+            check_layers(model, layers)
         graphdef, params, rest = _split(model)
         pure = nnx.to_pure_dict(params)
         if param_specs is None:
@@ -182,7 +203,15 @@ class TrainState:
         # opt.init copies model_state, so the donated step never deletes the model's arrays.
         model_state = _keys_out(nnx.to_pure_dict(rest))
         zero = opt.init(pure, model_state=model_state)
-        return cls(zero, graphdef, opt, jax.tree.structure(params), jax.tree.structure(rest), impls)
+        return cls(
+            zero,
+            graphdef,
+            opt,
+            jax.tree.structure(params),
+            jax.tree.structure(rest),
+            impls,
+            layers,
+        )
 
     def _merge(self, params: Any, model_state: Any) -> nnx.Module:
         leaves = jax.tree.leaves(params, is_leaf=_is_sharded)
@@ -217,9 +246,13 @@ class TrainState:
         layers through :func:`remat_layer` (stage 3 then holds about one layer's gathered
         parameters at a time), other submodules through :func:`gathered`. Both leave plain
         arrays as they are (stages 0/1, or the model outside jzero), so one ``loss_fn``
-        serves every stage. ``grad_accum`` and ``donate`` as for
+        serves every stage. With ``TrainState.create(..., layers=...)``, ``manual_gather``
+        is always on and the gathering is done for ``loss_fn`` (see there); ``loss_fn``
+        then calls the model as it is. ``grad_accum`` and ``donate`` as for
         ``ZeroOptimizer.train_step``.
         """
+        if self.layers:
+            loss_fn, manual_gather = by_layer(loss_fn, self.layers), True
 
         def inner(params: Any, model_state: Any, batch: Any) -> tuple[Any, Any]:
             model = self._merge(params, model_state)
