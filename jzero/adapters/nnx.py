@@ -33,81 +33,17 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from ..core.collectives import Sharded, gather
 from ..core.layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
-from ..core.remat import remat_layer as _remat_layer
 from ..core.state import ZeroState
 from .nnx_layers import by_layer, check_layers, layer_classes
+from .nnx_remat import gathered as gathered
+from .nnx_remat import is_sharded, split
+from .nnx_remat import remat_layer as remat_layer
 from .step import AdapterStep
-
-
-def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, params, rest
-
-
-def _is_sharded(x: Any) -> bool:
-    return isinstance(x, Sharded)
-
-
-def gathered(module: nnx.Module) -> nnx.Module:
-    """``module`` with its ``nnx.Param`` values passed through :func:`jzero.gather`.
-
-    For a loss given to ``TrainState.train_step(..., manual_gather=True)``, whose model
-    holds :class:`jzero.Sharded` handles in its Params in stages 2/3: the result is a new
-    module of the same structure whose Params hold full arrays and whose other variables
-    (BatchNorm statistics, RNG state) are ``module``'s own, so updates to them are kept.
-    Call it once per forward pass, where the module is used; for layers, prefer
-    :func:`remat_layer`, which also re-gathers in backward. On plain arrays and in stages
-    0/1 the Params' values are returned unchanged.
-    """
-    graphdef, params, rest = _split(module)
-    return nnx.merge(graphdef, gather(params), rest)
-
-
-def remat_layer(
-    fn: Callable[..., Any], *, policy: Callable[..., bool] | None = None
-) -> Callable[..., Any]:
-    """``layer(module, *args) = fn(gathered(module), *args)``, rematerialised.
-
-    The NNX form of :func:`jzero.remat_layer`: call it on each layer of a model trained
-    with ``TrainState.train_step(..., manual_gather=True)``, e.g. inside the body of an
-    ``nnx.scan`` over layers stacked with ``nnx.vmap``. In stage 3 the layer's Params are
-    all-gathered once its input exists and again in backward, so about one layer's gathered
-    parameters are alive at a time; in stages 0-2 it is ``jax.checkpoint(...,
-    policy=policy)``. Changes ``fn`` makes to the layer's other variables (BatchNorm
-    statistics) are written back to ``module``; its Params must not be assigned.
-
-    Args:
-        fn: ``fn(module, *args)``; ``args`` are pytrees of arrays (no modules).
-        policy: a ``jax.checkpoint_policies`` policy for stages 0-2.
-
-    Examples:
-        >>> block = jzero.nnx.remat_layer(lambda layer, x: layer(x))
-        >>> @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        ... def forward(layer, x):
-        ...     return block(layer, x)
-    """
-
-    def pure(params: Any, graphdef: Any, rest: Any, *args: Any) -> tuple[Any, Any]:
-        module = nnx.merge(graphdef, params, rest)
-        out = fn(module, *args)
-        return out, _split(module)[2]
-
-    def layer(module: nnx.Module, *args: Any) -> Any:
-        graphdef, params, rest = _split(module)
-        static = _remat_layer(
-            lambda params, rest, *args: pure(params, graphdef, rest, *args), policy=policy
-        )
-        out, rest = static(params, rest, *args)
-        nnx.update(module, rest)
-        return out
-
-    return layer
 
 
 def _keys_out(tree: Any) -> Any:
@@ -184,7 +120,7 @@ class TrainState:
         layers = layer_classes(layers)
         if layers:
             check_layers(model, layers)
-        graphdef, params, rest = _split(model)
+        graphdef, params, rest = split(model)
         pure = nnx.to_pure_dict(params)
         if param_specs is None:
             param_specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
@@ -214,7 +150,7 @@ class TrainState:
         )
 
     def _merge(self, params: Any, model_state: Any) -> nnx.Module:
-        leaves = jax.tree.leaves(params, is_leaf=_is_sharded)
+        leaves = jax.tree.leaves(params, is_leaf=is_sharded)
         params = jax.tree.unflatten(self.params_def, leaves)
         rest = jax.tree.unflatten(
             self.rest_def, jax.tree.leaves(_keys_in(model_state, self.key_impls))
@@ -257,7 +193,7 @@ class TrainState:
         def inner(params: Any, model_state: Any, batch: Any) -> tuple[Any, Any]:
             model = self._merge(params, model_state)
             out = loss_fn(model, batch)
-            return out, _keys_out(nnx.to_pure_dict(_split(model)[2]))
+            return out, _keys_out(nnx.to_pure_dict(split(model)[2]))
 
         core = self.opt.train_step(
             inner,

@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 
 from ..core.collectives import Sharded, gather
+from .nnx_remat import remat_layer
 
 _is_sharded = lambda x: isinstance(x, Sharded)
 
@@ -83,7 +84,6 @@ def _set(parent: Any, key: Any, value: Any) -> None:
 def _call_layer(layer: nnx.Module, args: tuple, kwargs: dict) -> Any:
     """``layer(*args, **kwargs)`` through :func:`jzero.nnx.remat_layer`; array leaves of
     the arguments are traced, the others (flags, ``None``) are closed over."""
-    from .nnx import remat_layer  # nnx imports this module
 
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]

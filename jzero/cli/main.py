@@ -18,7 +18,8 @@ from ..accounting.estimate import (
     max_params,
     transformer_activation_bytes,
 )
-from . import checkpoint
+from .checkpoint import add_parser as add_checkpoint_parser
+from .checkpoint import run as run_checkpoint
 from .plot import plot_model_states, read_measured
 from .units import format_params, parse_bytes, parse_params
 
@@ -100,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_converter(read_measured),
         help="overlay the model-state bytes that scripts/bench.py --json measured",
     )
-    checkpoint.add_parser(commands)
+    add_checkpoint_parser(commands)
     return parser
 
 
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         command = args.command
-        return checkpoint.run(args) if command == "checkpoint" else _estimate(args)
+        return run_checkpoint(args) if command == "checkpoint" else _estimate(args)
     except _BadInput as e:
         message = str(e)
     except (ValueError, ImportError, OSError) as e:
