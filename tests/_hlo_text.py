@@ -1,4 +1,6 @@
-"""Hand-written optimized-HLO text shared by the HLO reader tests."""
+"""HLO shared by the tests: hand-written module text, and a gather counter."""
+
+from jzero.accounting import collectives
 
 ALL_REDUCE_MODULE = """HloModule m, num_partitions=8
 
@@ -14,3 +16,13 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
 }
 """
 """One all-reduce of f32[1024] on 8 partitions; replace ``GROUPS`` with its groups."""
+
+
+def all_gathers(compiled, shape: tuple[int, ...]) -> int:
+    """How many times per step the compiled program all-gathers an array of ``shape``
+    (loop trip counts included)."""
+    return sum(
+        c.trip_count
+        for c in collectives(compiled.as_text())
+        if c.kind == "all-gather" and c.shape == shape
+    )

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo_text import all_gathers
 from _models import assert_tree_close, make_tx, reference
 
 import jzero
-from jzero.accounting import collectives
 
 IN, D, H, OUT, LAYERS, BATCH, STEPS = 32, 64, 256, 16, 6, 64, 3
 # Adam eps above the gradients' fp32 rounding noise (sums in another order on 8 devices),
@@ -92,20 +92,13 @@ def test_layers_matches_single_device_optax(stage):
     assert_tree_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
 
 
-def _gathers(compiled, shape):
-    hlo = compiled.as_text()
-    return sum(
-        c.trip_count for c in collectives(hlo) if c.kind == "all-gather" and c.shape == shape
-    )
-
-
 def test_stage3_layers_gather_each_block_twice_and_lower_temp():
     per_layer = compiled_stage3(layers=Block)
     whole = compiled_stage3()
     for shape in [(D, H), (H, D)]:  # the blocks' kernels: forward, then backward again
-        assert _gathers(per_layer, shape) == 2 * LAYERS, shape
+        assert all_gathers(per_layer, shape) == 2 * LAYERS, shape
     for shape in [(IN, D), (D, OUT)]:  # outside the blocks: gathered once
-        assert _gathers(per_layer, shape) == 1, shape
+        assert all_gathers(per_layer, shape) == 1, shape
     temp = per_layer.memory_analysis().temp_size_in_bytes
     temp_whole = whole.memory_analysis().temp_size_in_bytes
     print(f"stage-3 temp: layers=Block {temp} B, without layers= {temp_whole} B")

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo_text import all_gathers
 from _models import make_tx, reference
 from flax import nnx
 
 import jzero
-from jzero.accounting import collectives
 
 IN, D, H, OUT, LAYERS, BATCH, STEPS = 32, 64, 256, 16, 6, 64, 3
 # Adam eps above the gradients' fp32 rounding noise (sums in another order on 8 devices).
@@ -101,21 +101,13 @@ def test_layers_matches_single_device_optax(stage):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(path))
 
 
-def _gathers(compiled, shape):
-    return sum(
-        c.trip_count
-        for c in collectives(compiled.as_text())
-        if c.kind == "all-gather" and c.shape == shape
-    )
-
-
 def test_stage3_layers_gather_each_block_twice_and_lower_temp():
     per_layer = compiled_stage3(layers=Block)
     whole = compiled_stage3()
     for shape in [(D, H), (H, D)]:  # the blocks' kernels: forward, then backward again
-        assert _gathers(per_layer, shape) == 2 * LAYERS, shape
+        assert all_gathers(per_layer, shape) == 2 * LAYERS, shape
     for shape in [(IN, D), (D, OUT)]:  # outside the blocks: gathered once
-        assert _gathers(per_layer, shape) == 1, shape
+        assert all_gathers(per_layer, shape) == 1, shape
     temp = per_layer.memory_analysis().temp_size_in_bytes
     temp_whole = whole.memory_analysis().temp_size_in_bytes
     print(f"stage-3 temp: layers=Block {temp} B, without layers= {temp_whole} B")

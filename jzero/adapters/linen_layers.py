@@ -18,20 +18,14 @@ import jax
 
 from ..core.collectives import Sharded, gather
 from ..core.remat import remat_layer
+from .classes import layer_classes as _classes
 
 _is_sharded = lambda x: isinstance(x, Sharded)
 
 
-def layer_classes(layers: Any) -> tuple[type[nn.Module], ...]:
-    """``layers=`` as a tuple of Linen Module classes, or a TypeError."""
-    classes = layers if isinstance(layers, tuple) else (layers,)
-    for c in classes:
-        if not (isinstance(c, type) and issubclass(c, nn.Module)):
-            raise TypeError(
-                f"layers= takes a flax.linen Module class or a tuple of them (e.g. "
-                f"layers=Block), got {c!r} of type {type(c).__name__}."
-            )
-    return classes
+def layer_classes(layers: Any) -> tuple[type, ...]:
+    """``layers=`` as a tuple of Module classes, or a TypeError."""
+    return _classes(layers, nn.Module, "a flax.linen Module")
 
 
 class _Inside(threading.local):

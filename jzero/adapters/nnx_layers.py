@@ -18,21 +18,15 @@ import jax
 from flax import nnx
 
 from ..core.collectives import Sharded, gather
+from .classes import layer_classes as _classes
 from .nnx_remat import remat_layer
 
 _is_sharded = lambda x: isinstance(x, Sharded)
 
 
-def layer_classes(layers: Any) -> tuple[type[nnx.Module], ...]:
-    """``layers=`` as a tuple of NNX Module classes, or a TypeError."""
-    classes = layers if isinstance(layers, tuple) else (layers,)
-    for c in classes:
-        if not (isinstance(c, type) and issubclass(c, nnx.Module)):
-            raise TypeError(
-                f"layers= takes an nnx.Module class or a tuple of them (e.g. layers=Block), "
-                f"got {c!r} of type {type(c).__name__}."
-            )
-    return classes
+def layer_classes(layers: Any) -> tuple[type, ...]:
+    """``layers=`` as a tuple of Module classes, or a TypeError."""
+    return _classes(layers, nnx.Module, "an nnx.Module")
 
 
 def check_layers(model: nnx.Module, classes: tuple[type[nnx.Module], ...]) -> None:
