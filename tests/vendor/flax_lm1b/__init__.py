@@ -1,0 +1,1 @@
+"""Flax's lm1b example model (``models.py``), vendored unchanged; see SOURCE.md."""
