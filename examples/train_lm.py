@@ -5,6 +5,7 @@
     python examples/train_lm.py --checkpoint-dir runs/ckpt --save-every 100
     python examples/train_lm.py --checkpoint-dir runs/ckpt --resume     # after an interruption
     bash scripts/launch_local.sh 2 python examples/train_lm.py            # 2 processes x 4 CPUs
+    python examples/train_lm.py --deepspeed-config examples/deepspeed/zero2_fp16.json
 
 Without a GPU/TPU the script forces ``--cpu-devices`` CPU devices (default 8) so that the
 data axis is real; on GPUs it uses all of them. The last ``--val-fraction`` of the text is
@@ -16,6 +17,10 @@ and validation loss, a text sample and ``jzero.report``. Tensor names carry thei
 With ``--checkpoint-dir`` it saves a :class:`jzero.Checkpointer` checkpoint every
 ``--save-every`` steps and after the last; ``--resume`` continues from the newest valid one
 (at any stage or device count) exactly where it was: step, data position and loss curve.
+
+With ``--deepspeed-config PATH`` a DeepSpeed JSON config (``jzero.from_deepspeed_config``)
+sets the stage, the precision, the optimizer with its schedule and clipping, and the batch
+size and micro-batches when it has them; a flag for one of those given as well is refused.
 
 Under ``scripts/launch_local.sh N`` (or any launcher that sets ``JZERO_NUM_PROCESSES``)
 every process runs this script; ``devices.setup_devices`` joins them into one run over
@@ -63,6 +68,14 @@ KEEP = 3  # checkpoints kept in --checkpoint-dir (older ones are deleted)
 # Flags an uninterrupted run depends on beyond the model's shapes (which the checkpoint
 # checks itself): the data order and the learning-rate schedule.
 RUN_FLAGS = ("seed", "batch_size", "seq_len", "val_fraction", "steps", "lr")
+# Flags that --deepspeed-config may set, with the config keys that set them.
+DEEPSPEED_FLAGS = {
+    "stage": "zero_optimization.stage",
+    "precision": '"fp16" / "bf16"',
+    "lr": '"optimizer" / "scheduler"',
+    "batch_size": "train_batch_size / train_micro_batch_size_per_gpu",
+    "grad_accum": "gradient_accumulation_steps",
+}
 
 
 def positive_int(text: str) -> int:
@@ -132,7 +145,50 @@ def make_parser() -> argparse.ArgumentParser:
         help="continue from the newest valid checkpoint in --checkpoint-dir (keep --steps: "
         "the total, which also sets the learning-rate schedule)",
     )
+    p.add_argument(
+        "--deepspeed-config",
+        type=Path,
+        default=None,
+        help="a DeepSpeed JSON config (e.g. examples/deepspeed/zero2_fp16.json); it replaces "
+        "--stage, --precision, --lr (with its optimizer/scheduler), --batch-size and "
+        "--grad-accum (with its batch sizes)",
+    )
     return p
+
+
+def apply_deepspeed_config(parser, args, argv, n_devices: int):
+    """Reads ``--deepspeed-config`` into ``args`` (stage, precision name, batch size, grad
+    accum) and returns its :class:`jzero.config.DeepSpeedOptions`. Refuses a flag that the
+    config sets too, and a config whose batch sizes do not fit ``n_devices``."""
+    path = args.deepspeed_config
+    try:
+        ds = jzero.from_deepspeed_config(path)
+        has_batch = ds.train_batch_size is not None or ds.micro_batch_size is not None
+        batch = ds.batch_sizes(data_parallel_size=n_devices) if has_batch else None
+    except (OSError, ValueError) as e:
+        parser.error(f"--deepspeed-config {path}: {e}")
+    sets = {"stage", "precision"}
+    sets |= {"lr"} if ds.learning_rate is not None else set()
+    sets |= {"batch_size", "grad_accum"} if has_batch else set()
+    sets |= {"grad_accum"} if ds.grad_accum is not None else set()
+    probe, unset = make_parser(), object()
+    probe.set_defaults(**dict.fromkeys(DEEPSPEED_FLAGS, unset))
+    given = vars(probe.parse_args(argv))
+    for name in sorted(n for n in sets if given[n] is not unset):
+        flag = f"--{name.replace('_', '-')}"
+        parser.error(
+            f"{flag} and --deepspeed-config both set it ({DEEPSPEED_FLAGS[name]} in {path}); "
+            f"drop {flag} or edit the config"
+        )
+    args.stage = ds.stage
+    args.precision = {"float16": "fp16", "bfloat16": "bf16"}.get(
+        ds.precision.param_dtype.name, "fp32"
+    )
+    if batch is not None:
+        args.batch_size, args.grad_accum = batch.train_batch_size, batch.grad_accum
+    elif ds.grad_accum is not None:
+        args.grad_accum = ds.grad_accum
+    return ds
 
 
 def make_logger(out: Path) -> logging.Logger:
@@ -301,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.timeout >= 1:
         parser.error(f"--timeout {args.timeout:g} is below 1 second (default 300)")
     devices = setup_devices(args.cpu_devices, timeout=args.timeout)
+    ds = None
+    if args.deepspeed_config is not None:
+        ds = apply_deepspeed_config(parser, args, argv, len(devices))
     # Each device takes batch-size / devices rows, split again into grad-accum micro-batches.
     n, k = len(devices), args.grad_accum
     if args.batch_size % (n * k):
@@ -344,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     log = make_logger(args.out)
     try:
-        return run(args, parser, devices, train_text, val_text, log, ckpt)
+        return run(args, parser, devices, train_text, val_text, log, ckpt, ds)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the asynchronous saves in flight, also when interrupted
@@ -353,11 +412,11 @@ def main(argv: list[str] | None = None) -> int:
             log.removeHandler(handler)
 
 
-def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
+def run(args, parser, devices, train_text, val_text, log, ckpt, ds=None) -> int:
     log.info("args %s", vars(args))
 
     # ---------------------------------------------------------------- model and data
-    precision = PRECISIONS[args.precision]
+    precision = PRECISIONS[args.precision] if ds is None else ds.precision
     cfg = gpt.GPTConfig(
         seq_len=args.seq_len,
         d_model=args.d_model,
@@ -374,8 +433,15 @@ def run(args, parser, devices, train_text, val_text, log, ckpt) -> int:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps
     )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    opt = jzero.ZeroOptimizer(tx, mesh, stage=args.stage, precision=precision)
+    if ds is None:
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+        opt = jzero.ZeroOptimizer(tx, mesh, stage=args.stage, precision=precision)
+    else:  # the config's optimizer, or AdamW on its schedule; its clipping, stage, precision
+        if ds.learning_rate is not None:
+            lr = ds.learning_rate
+            schedule = lr if callable(lr) else optax.constant_schedule(lr)
+        own = None if ds.tx is not None else optax.adamw(schedule, weight_decay=0.1)
+        opt = ds.optimizer(mesh, tx=own)
     # init_fn runs under jit with sharded outputs: in stage 3 no device holds the whole model.
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
     shapes = jax.eval_shape(init_fn)

@@ -17,6 +17,7 @@ from .accounting.estimate import max_params as max_params
 from .accounting.report import Report as Report
 from .accounting.report import report as report
 from .checkpoint import Checkpointer as Checkpointer
+from .config.deepspeed import from_deepspeed_config as from_deepspeed_config
 from .core.collectives import Sharded as Sharded
 from .core.collectives import gather as gather
 from .core.layout import LeafLayout as LeafLayout
@@ -27,5 +28,6 @@ from .core.plan import Plan as Plan
 from .core.precision import Precision as Precision
 from .core.remat import remat_layer as remat_layer
 from .core.state import ZeroState as ZeroState
+from .core.weighted import Weighted as Weighted
 
 __version__ = "0.1.0"

@@ -17,15 +17,31 @@ import jzero
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "scripts" / "bench.py"
-RUN_NAMES = ["dp", "zero1", "zero2", "zero3", "auto_fsdp"]
+RUN_NAMES = [
+    "dp", "zero1", "zero2", "zero3", "zero3_bucket", "zero3_auto", "zero3_prefetch", "auto_fsdp",
+]  # fmt: skip
+RUN_STAGES = [0, 1, 2, 3, 3, 3, 3, 3]
+MANUAL = {"manual_gather": True, "bucket": False, "prefetch": False}
+RUN_OPTIONS = {  # the train_step keywords of each run; auto_fsdp is plain jax.jit
+    "dp": MANUAL,
+    "zero1": MANUAL,
+    "zero2": MANUAL,
+    "zero3": MANUAL,
+    "zero3_bucket": {**MANUAL, "bucket": True},
+    "zero3_auto": {**MANUAL, "manual_gather": False},
+    "zero3_prefetch": {"manual_gather": False, "bucket": False, "prefetch": True},
+    "auto_fsdp": {},
+}
 RUN_FIELDS = {
     "name": str,
     "stage": int,
+    "options": dict,
     "model_state_bytes_per_device": int,
     "theory_model_state_bytes_per_device": float,
     "peak_bytes_per_device": int,
     "comm_bytes_per_device": dict,
     "theory_comm_bytes_per_device": float,
+    "collectives_per_step": int,
     "step_ms_median": float,
     "steps_timed": int,
     "loss_first": float,
@@ -33,7 +49,8 @@ RUN_FIELDS = {
 }
 COMM_KEYS = {"all-reduce", "reduce-scatter", "all-gather", "other", "total"}
 QUICK_HEAD = (
-    "--quick checks states/theory (zero1-3), comm/theory (dp, zero1, zero2), final loss vs dp:"
+    "--quick checks states/theory (zero1-3), comm/theory (dp, zero1, zero2), zero3_bucket "
+    "collectives per layer, final loss vs dp (zero3's variants: vs zero3):"
 )
 QUICK_TAIL = (
     "--quick skips the peak, step-time and zero3 comm targets, which hold only at scale: on a "
@@ -51,8 +68,11 @@ QUICK_LINES = [
     "zero1 final loss rel. diff vs dp",
     "zero2 final loss rel. diff vs dp",
     "zero3 final loss rel. diff vs dp",
+    "zero3_bucket final loss rel. diff vs zero3",
+    "zero3_auto final loss rel. diff vs zero3",
+    "zero3_prefetch final loss rel. diff vs zero3",
     "auto_fsdp final loss rel. diff vs dp",
-]
+]  # then "zero3_bucket collectives C <= 3 x L layers + 7", its numbers from the JSON
 
 CKPT_OPS = ["save_blocking", "save_total", "restore_same", "restore_other", "export"]
 CKPT_OP_FIELDS = {"bytes", "seconds", "mb_per_s", "seconds_reps", "seconds_cold"}
@@ -81,22 +101,31 @@ def test_bench_json_schema_and_quick_targets(tmp_path, capsys):
     targets = printed.split("\n\n")[1].splitlines()
     assert targets[0] == QUICK_HEAD and targets[-1] == QUICK_TAIL
     number = r"\d\.\d{4}|\d\.\d\de[+-]\d\d"  # ratios 1.0000, relative differences 0.00e+00
-    assert len(targets[1:-1]) == len(QUICK_LINES)
-    for line, target in zip(targets[1:-1], QUICK_LINES):
+    assert len(targets[1:-2]) == len(QUICK_LINES)
+    for line, target in zip(targets[1:-2], QUICK_LINES):
         assert re.fullmatch(rf"PASS {re.escape(target)} ({number})", line), line
 
     result = json.loads(out.read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    # Bucketed stage 3: 3 collectives for the one layer (forward and backward all-gather,
+    # reduce-scatter) and the 7 outside it, exactly; per-leaf stage 3 needs more.
+    bucketed = runs["zero3_bucket"]["collectives_per_step"]
+    assert bucketed == 3 * 1 + bench.BUCKET_OUTSIDE < runs["zero3"]["collectives_per_step"]
+    assert targets[-2] == (
+        f"PASS zero3_bucket collectives {bucketed} <= 3 x 1 layers + {bench.BUCKET_OUTSIDE}"
+    )
     assert result["platform"] == "cpu" and result["devices"] == 8
     assert isinstance(result["jax"], str)
     model = result["model"]
     assert {"name", "params", "layers", "dtype"} <= model.keys()
     assert model["layers"] == 1 and model["dtype"] == "float32" and model["params"] > 0
     assert [r["name"] for r in result["runs"]] == RUN_NAMES
-    for run, stage in zip(result["runs"], [0, 1, 2, 3, 3]):
+    for run, stage in zip(result["runs"], RUN_STAGES):
         assert set(run) == set(RUN_FIELDS), run["name"]
         for field, kind in RUN_FIELDS.items():
             assert isinstance(run[field], kind), (run["name"], field)
-        assert run["stage"] == stage
+        assert run["stage"] == stage and run["options"] == RUN_OPTIONS[run["name"]]
+        assert run["collectives_per_step"] >= 1, run["name"]  # the loss's mean at least
         comm = run["comm_bytes_per_device"]
         assert set(comm) == COMM_KEYS and all(isinstance(v, float) for v in comm.values())
         assert comm["total"] == pytest.approx(sum(v for k, v in comm.items() if k != "total"))

@@ -33,7 +33,9 @@ def mlp(p, x_BxD):
 BLOCKS = {
     "recompute": jzero.remat_layer(mlp),  # default: re-gather and recompute the layer
     "keep": jzero.remat_layer(mlp, policy=KEEP),  # re-gather, activations kept
-    "whole": mlp,  # with manual_gather=False: the whole model gathered up front
+    # The default step (no manual_gather): the unrolled model is gathered whole, each
+    # weight once and held for backward; the scanned one per layer (test_autogather.py).
+    "whole": mlp,
 }
 
 
@@ -133,9 +135,12 @@ def _gathers(compiled) -> dict[tuple[int, ...], int]:
 
 
 def test_keeping_activations_costs_the_whole_gather_flops():
-    # cost_analysis counts everything in the unrolled model (no loops).
+    # cost_analysis counts everything in the unrolled model (no loops). It also counts
+    # the layout copy XLA:CPU adds after each all-gather: the backward re-gathers add L
+    # such copies per weight (1.5% here), no arithmetic; matmuls are compared exactly below.
     keep, whole = _flops(_compiled("keep", "unrolled")), _flops(_compiled("whole", "unrolled"))
-    assert abs(keep - whole) <= 0.01 * whole, (keep, whole)
+    regather_copies = L * 2 * D * H
+    assert abs(keep - regather_copies - whole) <= 0.01 * whole, (keep, whole)
     assert _flops(_compiled("recompute", "unrolled")) > 1.1 * whole  # the forward again
 
 
@@ -166,9 +171,13 @@ def test_backward_gathers_every_weight_again(model, mode):
 @pytest.mark.parametrize("model", sorted(SCANNED))
 def test_peak_grows_by_about_the_saved_activations(model):
     keep, recompute = _peak(_compiled("keep", model)), _peak(_compiled("recompute", model))
-    whole = _peak(_compiled("whole", model))
-    print(f"{model}: peak recompute {recompute:,} keep {keep:,} whole-gather {whole:,}")
-    assert recompute < keep < whole
+    default = _peak(_compiled("whole", model))
+    print(f"{model}: peak recompute {recompute:,} keep {keep:,} default step {default:,}")
+    assert recompute < keep
+    if model == "unrolled":  # the default step holds every gathered weight
+        assert keep < default
+    else:  # the default step gathers per layer inside the scan, activations kept too
+        assert default <= keep
 
 
 @pytest.mark.parametrize("model", sorted(SCANNED))

@@ -10,8 +10,8 @@ parameters of all blocks but one.
 Two things the models need from the caller, neither of them an edit to the model:
 
 - lm1b annotates its parameters with *logical* names (``'embed'``, ``'mlp'``, ``'vocab'``,
-  ...), which the Linen adapter would read as mesh axes; ``param_specs`` says "nothing
-  besides 'data'" explicitly (``PartitionSpec()`` for every leaf).
+  ...); ``rules=()`` maps none of them to a mesh axis (Flax's rule: a name without a rule
+  is replicated), so every leaf is laid out over 'data' alone.
 - nanodo's default ``fsdp_enabled=True`` boxes its attention kernels with
   ``nn.with_partitioning``; Flax's ``DenseGeneral`` then applies a 3-D sharding constraint
   to its 2-D flattened kernel whenever a mesh is in context (google/flax#3676), as it is
@@ -35,7 +35,6 @@ import optax
 import pytest
 from _hlo_text import all_gathers
 from _models import assert_tree_close, make_tx, reference
-from jax.sharding import PartitionSpec as P
 from vendor.flax_lm1b import models as lm1b
 from vendor.nanodo import model as nanodo
 
@@ -79,13 +78,12 @@ def lm1b_case() -> Case:
     model = lm1b.TransformerLM(cfg)
     # TransformerLM shifts its inputs right itself: logits at t predict token t.
     loss_fn = lambda params, batch: xent(model.apply({"params": params}, batch), batch)
-    abstract = jax.eval_shape(functools.partial(init, model))["params"]
     return Case(
         model,
         lm1b.EncoderDecoder1DBlock,
         loss_fn,
         lambda p: [p["decoder"][f"encoderdecoderblock_{i}"] for i in range(LAYERS)],
-        {"param_specs": jax.tree.map(lambda _: P(), nn.unbox(abstract))},
+        {"rules": ()},
     )
 
 

@@ -30,8 +30,10 @@ from ..core.mesh import fit_specs
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
+from ..core.rules import Rules
 from ..core.state import ZeroState
 from .linen_layers import by_layer, layer_classes
+from .specs import linen_specs
 from .step import AdapterStep
 
 
@@ -67,6 +69,7 @@ class TrainState:
         variables: Mapping[str, Any] | None = None,
         init_fn: Callable[[], Mapping[str, Any]] | None = None,
         param_specs: Any = None,
+        rules: Rules | None = None,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
         layers: type[nn.Module] | tuple[type[nn.Module], ...] = (),
@@ -78,6 +81,15 @@ class TrainState:
         ``functools.partial(model.init, key, x)``) and runs under ``jit`` with sharded
         outputs, so in stage 3 no device holds the whole model. ``param_specs`` (over the
         mesh's other axes) default to the ``nn.with_partitioning`` metadata.
+
+        ``rules``: logical axis rules, ``(logical_name, mesh_axes)`` pairs as
+        ``nn.logical_axis_rules`` takes them, for parameters annotated with
+        ``nn.with_logical_partitioning``: their names are mapped by
+        ``nn.logical_to_mesh_axes`` (a name with no rule is replicated), and jzero adds
+        ``'data'`` as to explicit specs. A variable's own rules come first, then ``rules``,
+        then the ``nn.logical_axis_rules(...)`` context active at this call; logical names
+        with none of these raise ``ValueError``. With ``rules``, explicit ``param_specs``
+        name logical axes too. See :mod:`jzero.adapters.specs`.
 
         ``layers``: a Linen Module class (or a tuple of them), e.g. ``layers=Block``, for
         per-layer gathering without editing the model (FSDP's wrapping policy). The steps
@@ -101,7 +113,7 @@ class TrainState:
                 f"(found {found}). Pass the whole output of model.init(...) (e.g. {{'params': "
                 "..., 'batch_stats': ...}), not variables['params']."
             )
-        specs = nn.get_partition_spec(abstract["params"]) if param_specs is None else param_specs
+        specs = linen_specs(abstract["params"], param_specs=param_specs, rules=rules, mesh=mesh)
         param_specs = fit_specs(nn.unbox(abstract["params"]), specs, mesh)
         opt = ZeroOptimizer(
             tx,
@@ -130,6 +142,10 @@ class TrainState:
         grad_accum: int = 1,
         has_aux: bool = False,
         donate: bool = True,
+        per_device_rng: bool = True,
+        axis_name: str | tuple[str, ...] | None = None,
+        bucket: bool = False,
+        prefetch: bool = False,
     ) -> AdapterStep:
         """A ``step(state, batch) -> (state, metrics)``: forward, backward and update, jitted.
 
@@ -139,6 +155,13 @@ class TrainState:
         (collections it leaves out are kept). With ``has_aux`` the loss part is
         ``(loss, aux)``. Options as for ``ZeroOptimizer.train_step``; with ``create(...,
         layers=...)``, ``manual_gather`` is always on (see there).
+
+        ``axis_name``: the model's name for the batch axis (``nn.BatchNorm(axis_name=
+        'batch')``), mapped onto jzero's batch axes. ``per_device_rng``: typed PRNG keys in
+        ``model_state`` (e.g. ``variables={**model.init(...), 'rngs': {'dropout': key}}``)
+        reach ``loss_fn`` folded with the device's index, so each device draws its own
+        dropout masks; return them unchanged and derive each step's key by folding in a
+        counter kept beside them (the key comes back unfolded, the counter agreed).
         """
         with_state = bool(self.model_state)
         if self.layers:
@@ -155,5 +178,9 @@ class TrainState:
             grad_accum=grad_accum,
             has_aux=has_aux,
             donate=donate,
+            per_device_rng=per_device_rng,
+            axis_name=axis_name,
+            bucket=bucket,
+            prefetch=prefetch,
         )
         return AdapterStep(core)

@@ -38,28 +38,14 @@ from ..core.mesh import fit_specs
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
+from ..core.rules import Rules
 from ..core.state import ZeroState
 from .nnx_layers import by_layer, check_layers, layer_classes
 from .nnx_remat import gathered as gathered
 from .nnx_remat import is_sharded, split
 from .nnx_remat import remat_layer as remat_layer
+from .specs import nnx_specs
 from .step import AdapterStep
-
-
-def _keys_out(tree: Any) -> Any:
-    """Typed PRNG keys -> their uint32 data, so jzero can keep them in agreement."""
-    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
-
-
-def _keys_in(tree: Any, impls: tuple[Any, ...]) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten(
-        [
-            x if impl is None else jax.random.wrap_key_data(x, impl=impl)
-            for x, impl in zip(leaves, impls)
-        ]
-    )
 
 
 @struct.dataclass
@@ -72,7 +58,6 @@ class TrainState:
         graphdef: the module's structure, from ``nnx.split`` (static).
         opt: the :class:`jzero.ZeroOptimizer` (static).
         params_def, rest_def: treedefs of the Param and other ``nnx.State`` (static).
-        key_impls: per leaf of the other state, the PRNG impl of a key leaf, else None.
         layers: the ``layers=`` classes gathered per layer (static; empty: none).
     """
 
@@ -81,7 +66,6 @@ class TrainState:
     opt: ZeroOptimizer = struct.field(pytree_node=False)
     params_def: Any = struct.field(pytree_node=False)
     rest_def: Any = struct.field(pytree_node=False)
-    key_impls: tuple[Any, ...] = struct.field(pytree_node=False)
     layers: tuple[type[nnx.Module], ...] = struct.field(pytree_node=False, default=())
 
     @classmethod
@@ -93,6 +77,7 @@ class TrainState:
         mesh: Mesh,
         stage: Stage,
         param_specs: Any = None,
+        rules: Rules | None = None,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
         layers: type[nnx.Module] | tuple[type[nnx.Module], ...] = (),
@@ -105,6 +90,15 @@ class TrainState:
         Params) default to the Params' ``nnx.with_partitioning`` metadata; stacked layers
         (``nnx.vmap``) need ``transform_metadata={nnx.PARTITION_NAME: None}`` so that their
         spec covers the stacked axis.
+
+        ``rules``: logical axis rules, ``(logical_name, mesh_axes)`` pairs as
+        ``nnx.logical_axis_rules`` takes them, for Params whose ``out_sharding`` names
+        logical axes: ``nnx.get_partition_spec`` maps them under ``rules`` (in place of the
+        ``nnx.logical_axis_rules`` context, which is read when ``rules`` is None), combined
+        with a Param's own ``sharding_rules``. As in NNX, a name with no rule is kept, so it
+        must be a mesh axis (else ``ValueError``). jzero adds ``'data'`` as to explicit
+        specs. With ``rules``, explicit ``param_specs`` name logical axes too, mapped as
+        :class:`jzero.ZeroOptimizer` maps them. See :mod:`jzero.adapters.specs`.
 
         ``layers``: an ``nnx.Module`` class (or a tuple of them), e.g. ``layers=Block``, for
         FSDP-style per-layer gathering with no edit to the model: in stages 2/3 every
@@ -122,8 +116,7 @@ class TrainState:
             check_layers(model, layers)
         graphdef, params, rest = split(model)
         pure = nnx.to_pure_dict(params)
-        if param_specs is None:
-            param_specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
+        param_specs = nnx_specs(params, param_specs=param_specs, rules=rules, mesh=mesh)
         opt = ZeroOptimizer(
             tx,
             mesh,
@@ -132,29 +125,22 @@ class TrainState:
             min_shard_size=min_shard_size,
             precision=precision,
         )
-        impls = tuple(
-            jax.random.key_impl(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else None
-            for x in jax.tree.leaves(rest)
-        )
         # opt.init copies model_state, so the donated step never deletes the model's arrays.
-        model_state = _keys_out(nnx.to_pure_dict(rest))
-        zero = opt.init(pure, model_state=model_state)
+        # RNG keys stay typed keys: the step folds them per device (per_device_rng).
+        zero = opt.init(pure, model_state=nnx.to_pure_dict(rest))
         return cls(
             zero,
             graphdef,
             opt,
             jax.tree.structure(params),
             jax.tree.structure(rest),
-            impls,
             layers,
         )
 
     def _merge(self, params: Any, model_state: Any) -> nnx.Module:
         leaves = jax.tree.leaves(params, is_leaf=is_sharded)
         params = jax.tree.unflatten(self.params_def, leaves)
-        rest = jax.tree.unflatten(
-            self.rest_def, jax.tree.leaves(_keys_in(model_state, self.key_impls))
-        )
+        rest = jax.tree.unflatten(self.rest_def, jax.tree.leaves(model_state))
         return nnx.merge(self.graphdef, params, rest)
 
     def model(self) -> nnx.Module:
@@ -169,6 +155,10 @@ class TrainState:
         grad_accum: int = 1,
         has_aux: bool = False,
         donate: bool = True,
+        per_device_rng: bool = True,
+        axis_name: str | tuple[str, ...] | None = None,
+        bucket: bool = False,
+        prefetch: bool = False,
     ) -> AdapterStep:
         """A jitted ``step(state, batch) -> (state, metrics)``; ``loss_fn(model, batch) -> loss``
         (with ``has_aux``: ``(loss, aux)``, aux in ``metrics['aux']``).
@@ -186,6 +176,13 @@ class TrainState:
         is always on and the gathering is done for ``loss_fn`` (see there); ``loss_fn``
         then calls the model as it is. ``grad_accum`` and ``donate`` as for
         ``ZeroOptimizer.train_step``.
+
+        ``per_device_rng`` (default True): the module's RNG streams (``nnx.Rngs``, e.g. for
+        ``nnx.Dropout``) draw independently on each device: every stream's key is folded
+        with the device's index for the step, and comes back unfolded with its count
+        advanced, the same on every device. False: every device draws the same numbers.
+        ``axis_name``: the model's name for the batch axis (``nnx.BatchNorm(axis_name=
+        'batch')``), mapped onto jzero's batch axes.
         """
         if self.layers:
             loss_fn, manual_gather = by_layer(loss_fn, self.layers), True
@@ -193,7 +190,7 @@ class TrainState:
         def inner(params: Any, model_state: Any, batch: Any) -> tuple[Any, Any]:
             model = self._merge(params, model_state)
             out = loss_fn(model, batch)
-            return out, _keys_out(nnx.to_pure_dict(split(model)[2]))
+            return out, nnx.to_pure_dict(split(model)[2])
 
         core = self.opt.train_step(
             inner,
@@ -202,5 +199,9 @@ class TrainState:
             grad_accum=grad_accum,
             has_aux=has_aux,
             donate=donate,
+            per_device_rng=per_device_rng,
+            axis_name=axis_name,
+            bucket=bucket,
+            prefetch=prefetch,
         )
         return AdapterStep(core)

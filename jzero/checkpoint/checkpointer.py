@@ -224,7 +224,9 @@ class Checkpointer:
                 (and reporting in ``skipped``, and as a warning on the ``jzero`` logger)
                 newer ones that are corrupt or unreadable.
             model_state: the model state's tree (values or shapes) when it is not plain
-                nested dicts (e.g. holds lists); default: rebuilt as nested dicts.
+                nested dicts (e.g. holds lists) or holds typed PRNG keys (e.g. NNX RNG
+                streams: saved as their uint32 data, typed again like these); default:
+                rebuilt as nested dicts, keys as their data.
 
         Raises:
             CheckpointError: no checkpoint, or (``step`` given) this one is invalid: the

@@ -49,11 +49,9 @@ def flatten(state: ZeroState) -> tuple[dict[str, jax.Array], dict[str, tuple[int
         leaves = jax.tree.leaves(tree)
         true = true if true is not None else [tuple(x.shape) for x in leaves]
         for name, x, shape in zip(leaf_names(tree), leaves, true):
-            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-                raise TypeError(
-                    f"{group} leaf {name!r} is a typed PRNG key; store its data instead "
-                    "(jax.random.key_data) and wrap it again after restore."
-                )
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # e.g. NNX RNG streams
+                x = jax.random.key_data(x)  # saved as raw uint32; restore(model_state=) types it
+                shape = x.shape
             arrays[leaf_key(group, name)] = x
             shapes[leaf_key(group, name)] = tuple(int(d) for d in shape)
     return arrays, shapes

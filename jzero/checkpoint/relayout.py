@@ -49,7 +49,7 @@ def restore_targets(
         out["loss_scale.good_steps"] = (array_target((), jnp.int32, replicated), ())
     names = [n for n in stored if n.startswith("model_state.") or n == "model_state"]
     if model_state is not None:
-        like_names = [key("model_state", n) for n in leaf_names(model_state)]
+        like_names = [leaf_key("model_state", n) for n in leaf_names(model_state)]
         if sorted(like_names) != sorted(names):
             raise CheckpointError(
                 f"checkpoint step {step}: its model state has leaves {sorted(names)}, but "
@@ -75,6 +75,10 @@ def restore_targets(
                 "the model that was saved (true shapes and dtypes must match)."
             )
     return out
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def assemble_state(
@@ -103,7 +107,11 @@ def assemble_state(
     }
     if model_state is not None:
         rebuilt = jax.tree.unflatten(
-            jax.tree.structure(model_state), [named[n] for n in leaf_names(model_state)]
+            jax.tree.structure(model_state),
+            [  # PRNG keys were saved as their data: typed again like model_state's keys
+                jax.random.wrap_key_data(named[n], impl=like.dtype) if _is_key(like) else named[n]
+                for n, like in zip(leaf_names(model_state), jax.tree.leaves(model_state))
+            ],
         )
     elif "" in named:
         rebuilt = named[""]

@@ -25,18 +25,26 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from . import rng
+from .autogather import gather_where_used
+from .axis_alias import aliased
+from .axis_names import as_tuple, unknown_axis_error
 from .checks import check_loss, split_model_state
-from .collectives import Sharded, after, gather, reduce_scatter, regather_policy
+from .collectives import Sharded, after, gather_each, reduce_scatter, saves_no_gathered
 from .layout import LeafLayout
 from .mesh import DATA, REPLICA
 from .plan import Plan
 from .precision import Precision
+from .weighted import Weighted
 
 
 def _local_shape(lay: LeafLayout) -> tuple[int, ...]:
     shape = list(lay.padded)
     shape[lay.dim] //= jax.lax.axis_size(DATA)
     return tuple(shape)
+
+
+_KEEP = jax.checkpoint_policies.everything_saveable
 
 
 def local_grads(
@@ -48,9 +56,19 @@ def local_grads(
     precision: Precision,
     has_aux: bool,
     with_model_state: bool,
+    per_device_rng: bool = True,
+    aliases: tuple[str, ...] = (),
+    bucket: bool = False,
+    prefetch: bool = False,
 ):
     """The shard_map body: (params at rest, model state, loss scale, local batch) ->
     (loss, reduced gradients summed over devices and micro-batches, agreed model state, aux).
+
+    The loss comes back as the mean over devices, or as a :class:`Weighted` of global sums
+    when ``loss_fn`` returns one. ``per_device_rng``: PRNG keys in the model state are
+    folded with the device's index before the loss sees them (:mod:`.rng`). ``aliases``:
+    the model's names for the batch axes (:mod:`.axis_alias`; the shard_map's mesh must
+    have them, as ``alias_mesh`` makes it).
     """
     lays, reduce_dtype = plan.layouts, precision.reduce_dtype
     axes = plan.batch_axes  # 'data', or ('replica', 'data') when hybrid
@@ -60,11 +78,20 @@ def local_grads(
         # implicitly; differentiate a varying copy instead and reduce explicitly.
         return jax.lax.pcast(x, axes, to="varying")
 
+    user_fn = (
+        loss_fn
+        if not aliases
+        else aliased(loss_fn, aliases=aliases, axes=as_tuple(axes), size=plan.dp_size)
+    )
+
     def call_loss(params, model_state, batch):
-        if with_model_state:
-            out, model_state = split_model_state(loss_fn(params, model_state, batch))
-        else:
-            out = loss_fn(params, batch)
+        with unknown_axis_error(mesh_axes=plan.mesh.axis_names, aliases=aliases):
+            if with_model_state:
+                seen = rng.for_device(model_state, axes) if per_device_rng else model_state
+                out, new_state = split_model_state(user_fn(params, seen, batch))
+                model_state = rng.settle(new_state, seen=seen, given=model_state, axes=axes)
+            else:
+                out = user_fn(params, batch)
         loss, aux = check_loss(out, has_aux=has_aux)
         return loss, model_state, aux
 
@@ -79,7 +106,7 @@ def local_grads(
                 # cotangent reaching the handle is this device's alone (no implicit psum)
                 leaves = [jax.lax.pcast(x, REPLICA, to="varying") for x in leaves]
             wrap = lambda d: [
-                Sharded(s, x, lay, gathers=gathers) if lay.sharded else s
+                Sharded(s, x, lay, gathers=gathers, bucket=bucket) if lay.sharded else s
                 for s, x, lay in zip(d, leaves, lays)
             ]
         else:
@@ -88,20 +115,27 @@ def local_grads(
 
         def local_loss(d, model_state, micro_batch):
             p = jax.tree.unflatten(plan.params_def, wrap(d))
-            loss, model_state, aux = call_loss(
-                p if manual_gather else gather(p), model_state, micro_batch
-            )
+            if manual_gather:
+                run = call_loss
+            elif plan.partitions_params:  # gather each parameter where it is used
+                run = gather_where_used(call_loss, prefetch=prefetch)
+            else:  # leaf by leaf: stage 2 reduce-scatters each where backward completes it
+                run = lambda p, *rest: call_loss(gather_each(p), *rest)
+            loss, model_state, aux = run(p, model_state, micro_batch)
+            if isinstance(loss, Weighted):  # differentiate the sum; divided globally later
+                return loss.total * scale, (loss, model_state, aux)
             loss = loss.astype(jnp.float32)
             return loss * scale, (loss, model_state, aux)
 
         if plan.partitions_params and not manual_gather:
-            # Everything is gathered up front: remat just the gathers, so backward gathers
-            # again. With manual_gather the user's per-layer remat (jax.checkpoint /
-            # nn.remat around the layer that calls jzero.gather) re-gathers instead; an
-            # outer policy here would override it and keep the layers' activations.
-            local_loss = jax.checkpoint(local_loss, policy=regather_policy)
+            # Keep every activation but no gathered parameter, so backward gathers again
+            # (per layer inside scans). With manual_gather the user's per-layer remat
+            # (jax.checkpoint / nn.remat around the layer that calls jzero.gather)
+            # re-gathers instead; an outer policy here would override it.
+            local_loss = jax.checkpoint(local_loss, policy=saves_no_gathered(_KEEP))
         grad_fn = jax.grad(local_loss, has_aux=True)
-        model_state = jax.tree.map(varying, model_state)
+        # keys stay invariant: the same on every device, folded per device in call_loss
+        model_state = jax.tree.map(lambda x: x if rng.is_key(x) else varying(x), model_state)
         if grad_accum == 1:
             grads, (loss, model_state, aux) = grad_fn(diff, model_state, batch)
         else:  # accumulate in fp32; stages 2/3 reduce-scatter every micro-batch
@@ -111,12 +145,14 @@ def local_grads(
                 loss_sum, grads_sum, model_state = carry
                 grads, (loss, model_state, aux) = grad_fn(diff, model_state, micro_batch)
                 grads = [a + g.astype(a.dtype) for a, g in zip(grads_sum, grads)]
-                return (loss_sum + loss, grads, model_state), aux
+                if isinstance(loss, Weighted):  # totals carried, counts stacked
+                    return (loss_sum + loss.total, grads, model_state), (aux, loss.count)
+                return (loss_sum + loss, grads, model_state), (aux, None)
 
             zeros = [varying(jnp.zeros(jax.typeof(x).shape, jnp.float32)) for x in diff]
             init = (varying(jnp.zeros((), jnp.float32)), zeros, model_state)
-            (loss, grads, model_state), aux = jax.lax.scan(accumulate, init, micro)
-            loss = loss / grad_accum
+            (loss, grads, model_state), (aux, counts) = jax.lax.scan(accumulate, init, micro)
+            loss = loss / grad_accum if counts is None else Weighted(loss, counts.sum(0))
             aux = jax.tree.map(_combine_micro, aux)
             grads = [g.astype(reduce_dtype) for g in grads]
         if plan.partitions_opt_state and not plan.partitions_grads:
@@ -125,7 +161,10 @@ def local_grads(
         grads = [_reduce(plan, g.astype(reduce_dtype), lay) for g, lay in zip(grads, lays)]
         model_state = jax.tree.map(lambda x: _agree(x, axes), model_state)
         aux = jax.tree.map(lambda x: _agree_aux(x, axes), aux)
-        loss = jax.lax.pmean(loss, axes)
+        if isinstance(loss, Weighted):
+            loss = Weighted(jax.lax.psum(loss.total, axes), jax.lax.psum(loss.count, axes))
+        else:
+            loss = jax.lax.pmean(loss, axes)
         return loss, jax.tree.unflatten(plan.params_def, grads), model_state, aux
 
     return body
@@ -133,7 +172,10 @@ def local_grads(
 
 def _agree(x: jax.Array, axes) -> jax.Array:
     """One value of a model-state leaf on every device: the mean of floats (e.g. batch
-    statistics, as synchronised batch norm would give), the max of integers (counters)."""
+    statistics, as synchronised batch norm would give), the max of integers (counters);
+    PRNG keys are never averaged (:func:`.rng.agree`: device 0's where they differ)."""
+    if rng.is_key(x):
+        return rng.agree(x, axes)
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jax.lax.pmean(x, axes)
     return jax.lax.pmax(x, axes)

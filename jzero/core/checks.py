@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from .checksum import checksums
 from .precision import Precision
 from .state import ZeroState
+from .weighted import Weighted, check_weighted
 
 _ARRAY = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 
@@ -150,7 +151,7 @@ def check_batch(batch: Any, n: int, grad_accum: int) -> None:
 
 def split_model_state(out: Any) -> tuple[Any, Any]:
     """``loss_fn(params, model_state, batch)``'s output -> (loss part, new model state)."""
-    if not (isinstance(out, tuple | list) and len(out) == 2):
+    if not (isinstance(out, tuple | list) and len(out) == 2) or isinstance(out, Weighted):
         raise TypeError(
             "with with_model_state=True, loss_fn(params, model_state, batch) must return a "
             f"pair (loss, new_model_state), but returned {_describe(out)}; return the state "
@@ -161,22 +162,25 @@ def split_model_state(out: Any) -> tuple[Any, Any]:
 
 
 def check_loss(out: Any, *, has_aux: bool) -> tuple[Any, Any]:
-    """Splits ``loss_fn``'s loss part into (loss, aux) and checks the loss is a float scalar."""
+    """Splits ``loss_fn``'s loss part into (loss, aux) and checks the loss is a float scalar
+    or a :class:`Weighted` (sum, count)."""
     if has_aux:
-        if not (isinstance(out, tuple | list) and len(out) == 2):
+        if not (isinstance(out, tuple | list) and len(out) == 2) or isinstance(out, Weighted):
             raise TypeError(
                 "with has_aux=True, loss_fn must return a pair (loss, aux), but returned "
                 f"{_describe(out)}; return (loss, aux), or build the step without has_aux."
             )
         loss, aux = out
     else:
-        if isinstance(out, tuple | list):
+        if isinstance(out, tuple | list) and not isinstance(out, Weighted):
             raise TypeError(
                 f"loss_fn returned a {type(out).__name__} of {len(out)}, not a scalar loss; if "
                 "it returns (loss, aux), build the step with has_aux=True (aux comes back in "
                 "metrics['aux'])."
             )
         loss, aux = out, None
+    if isinstance(loss, Weighted):
+        return check_weighted(loss), aux
     shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
     if shape != () or not jnp.issubdtype(dtype, jnp.floating):
         integer = dtype is not None and not jnp.issubdtype(dtype, jnp.inexact)
@@ -197,6 +201,8 @@ def _short(treedef: Any, limit: int = 120) -> str:
 
 
 def _describe(x: Any) -> str:
+    if isinstance(x, Weighted):
+        return "a jzero.Weighted alone"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
     if isinstance(x, tuple | list):

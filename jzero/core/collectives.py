@@ -7,6 +7,7 @@ full parameter, with the backward pass reduce-scattering its gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from .buckets import all_gather_flat, reduce_scatter_flat
 from .layout import LeafLayout, pad
 from .mesh import DATA
 
@@ -36,6 +38,35 @@ def regather_policy(prim: Any, *_: Any, **params: Any) -> bool:
     if prim.name == "name":  # checkpoint_name's primitive
         return params.get("name") != GATHERED
     return True
+
+
+def _gathers_inside(params: dict[str, Any]) -> bool:
+    """Whether a ``custom_vjp_call`` (``jzero.gather``'s ``_use``) all-gathers."""
+    jaxpr = getattr(params.get("call_jaxpr"), "jaxpr", params.get("call_jaxpr"))
+    return any(
+        eqn.primitive is jax.lax.all_gather_p or eqn.params.get("name") == GATHERED
+        for eqn in getattr(jaxpr, "eqns", ())
+    )
+
+
+def saves_no_gathered(policy: Callable[..., bool]) -> Callable[..., bool]:
+    """``policy``, but never saving a gathered parameter.
+
+    On top of ``regather_policy``: under ``jax.vjp`` (direct linearize) the policy sees
+    ``jzero.gather``'s custom VJP as one ``custom_vjp_call``, not its ``all_gather``, and
+    a ``reduce_precision`` (a no-op at the value's own precision) JAX adds after it; both
+    would save the gathered parameter. ``reduce_precision`` is never saved (backward
+    redoes it from whatever its input is).
+    """
+
+    def combined(prim: Any, *args: Any, **params: Any) -> bool:
+        if prim.name == "custom_vjp_call" and _gathers_inside(params):
+            return False
+        if prim is jax.lax.reduce_precision_p:
+            return False
+        return regather_policy(prim, *args, **params) and policy(prim, *args, **params)
+
+    return combined
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -104,6 +135,28 @@ def _use_bwd(layout, gathers, reduce_dtype, _, ct):
 _use.defvjp(_use_fwd, _use_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _use_bucket(sinks, values, layouts, gathers: bool, reduce_dtype: Any) -> list:
+    """:func:`_use` for several leaves of one dtype, as one flat all-gather (``gathers``)
+    and, in backward, one flat reduce-scatter (:mod:`.buckets`)."""
+    del sinks
+    if gathers:
+        return [checkpoint_name(x, GATHERED) for x in all_gather_flat(values, layouts)]
+    return [jax.lax.pcast(x, DATA, to="varying") for x in values]
+
+
+def _use_bucket_fwd(sinks, values, layouts, gathers, reduce_dtype):
+    return _use_bucket(sinks, values, layouts, gathers, reduce_dtype), None
+
+
+def _use_bucket_bwd(layouts, gathers, reduce_dtype, _, cts):
+    grads = reduce_scatter_flat([ct.astype(reduce_dtype) for ct in cts], layouts)
+    return grads, [None] * len(grads)
+
+
+_use_bucket.defvjp(_use_bucket_fwd, _use_bucket_bwd)
+
+
 @jax.tree_util.register_pytree_node_class
 class Sharded:
     """A sharded parameter as the loss function sees it in stages 2 and 3.
@@ -117,24 +170,57 @@ class Sharded:
         layout: the leaf's :class:`LeafLayout` (static).
         gathers: whether :meth:`gather` all-gathers (the parameters are partitioned, stage
             3) or uses the local full copy (stage 2); static, from the plan.
+        bucket: whether :func:`gather` sends this leaf with the others of its call (a
+            layer) in one flat collective per dtype; static, the step's ``bucket``.
     """
 
-    def __init__(self, sink, value, layout: LeafLayout, *, gathers: bool):
-        self.sink, self.value, self.layout, self.gathers = sink, value, layout, gathers
+    def __init__(self, sink, value, layout: LeafLayout, *, gathers: bool, bucket: bool = False):
+        self.sink, self.value, self.layout = sink, value, layout
+        self.gathers, self.bucket = gathers, bucket
 
     def tree_flatten(self):
-        return (self.sink, self.value), (self.layout, self.gathers)
+        return (self.sink, self.value), (self.layout, self.gathers, self.bucket)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        layout, gathers = aux
-        return cls(*children, layout, gathers=gathers)
+        layout, gathers, bucket = aux
+        return cls(*children, layout, gathers=gathers, bucket=bucket)
 
     def gather(self) -> jax.Array:
+        """This leaf alone: one all-gather (stage 3), one reduce-scatter in backward."""
         return _use(self.sink, self.value, self.layout, self.gathers, self.sink.dtype)
 
     def __repr__(self) -> str:
         return f"Sharded(shape={self.layout.shape}, dim={self.layout.dim}, gathers={self.gathers})"
+
+
+def _is_sharded(x: Any) -> bool:
+    return isinstance(x, Sharded)
+
+
+def _gather_leaves(leaves: list) -> list:
+    """Each handle gathered: alone, or with the other bucketed handles of its kind."""
+    out = [x.gather() if _is_sharded(x) and not x.bucket else x for x in leaves]
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if _is_sharded(x) and x.bucket:
+            key = (x.gathers, jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype))
+            groups.setdefault(key, []).append(i)
+    for (gathers, _, reduce_dtype), idx in groups.items():
+        hs = [leaves[i] for i in idx]
+        full = _use_bucket(
+            [h.sink for h in hs], [h.value for h in hs], tuple(h.layout for h in hs),
+            gathers, reduce_dtype,
+        )  # fmt: skip
+        for i, x in zip(idx, full):
+            out[i] = x
+    return out
+
+
+def gather_each(tree: Any) -> Any:
+    """:func:`gather`, but every leaf in a collective of its own (never bucketed)."""
+    one = lambda x: x.gather() if _is_sharded(x) else x
+    return jax.tree.map(one, tree, is_leaf=_is_sharded)
 
 
 def gather(tree: Any) -> Any:
@@ -154,8 +240,5 @@ def gather(tree: Any) -> Any:
         ...     x, _ = jax.lax.scan(layer, batch['x'], params['layers'])
         ...     return jnp.mean((x - batch['y']) ** 2)
     """
-    return jax.tree.map(
-        lambda x: x.gather() if isinstance(x, Sharded) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, Sharded),
-    )
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
+    return jax.tree.unflatten(treedef, _gather_leaves(leaves))

@@ -144,7 +144,10 @@ def fit_specs(params: Any, specs: Any, mesh: Mesh, *, drop_data: bool = True) ->
                     raise ValueError(
                         f"param {name} is partitioned over mesh axis {axis!r} ({spec}), but the "
                         f"mesh has axes {dict(mesh.shape)}; add a {axis!r} axis to the mesh, "
-                        f"e.g. jax.make_mesh((n, m), ('data', {axis!r})), or drop it from the spec."
+                        f"e.g. jax.make_mesh((n, m), ('data', {axis!r})), or drop it from the "
+                        f"spec. If {axis!r} is a logical axis name (nn.with_logical_partitioning), "
+                        f"map it to mesh axes with rules=, e.g. rules=(({axis!r}, 'model'), ...) "
+                        f"or (({axis!r}, None), ...) to replicate it."
                     )
                 size *= mesh.shape[axis]
             if x.shape[dim] % size:

@@ -28,6 +28,7 @@ from .mesh import REPLICA, check_mesh, fit_specs
 from .placement import full_params, full_state, init_program
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
+from .rules import Rules, check_rules, logical_to_mesh
 from .state import ZeroState
 from .step import TrainStep, make_train_step
 
@@ -48,6 +49,12 @@ class ZeroOptimizer:
             every non-scalar leaf is sharded).
         param_specs: optional pytree of ``PartitionSpec`` over the mesh's *other* axes, shaped
             like the parameters (a prefix is fine); jzero adds ``'data'`` to each.
+        rules: optional logical axis rules, ``(logical_name, mesh_axes)`` pairs as
+            ``nn.logical_axis_rules`` takes them, e.g. ``(('embed', None), ('mlp',
+            'model'))``. ``param_specs`` then name logical axes, mapped as Flax maps them
+            (:mod:`jzero.core.rules`; a name with no rule is replicated); ``data`` and
+            ``replica`` are dropped from the result (jzero places them). A
+            ``with nn.logical_axis_rules(...)`` context is not read here.
         precision: a :class:`Precision` policy (default: everything float32).
 
     Examples:
@@ -65,6 +72,7 @@ class ZeroOptimizer:
         stage: Stage,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         param_specs: Any = None,
+        rules: Rules | None = None,
         precision: Precision | None = None,
     ):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
@@ -86,6 +94,7 @@ class ZeroOptimizer:
         self.replica_size = dict(mesh.shape).get(REPLICA, 1)
         self.min_shard_size = min_shard_size
         self.param_specs = param_specs
+        self.rules = None if rules is None else check_rules(rules, mesh)
         self.precision = check_precision(Precision() if precision is None else precision)
 
     def plan(self, params: Any) -> Plan:
@@ -118,7 +127,10 @@ class ZeroOptimizer:
                 f"param_specs does not match the parameter tree ({e}); give a PartitionSpec "
                 "per parameter leaf, or a prefix of the tree."
             ) from None
-        return fit_specs(shapes, self.param_specs, self.mesh, drop_data=False)
+        specs = self.param_specs
+        if self.rules is not None:
+            specs = logical_to_mesh(specs, self.rules)
+        return fit_specs(shapes, specs, self.mesh, drop_data=False)
 
     def init(
         self,
@@ -202,6 +214,10 @@ class ZeroOptimizer:
         with_model_state: bool = False,
         has_aux: bool = False,
         donate: bool = True,
+        per_device_rng: bool = True,
+        axis_name: str | tuple[str, ...] | None = None,
+        bucket: bool = False,
+        prefetch: bool = False,
     ) -> TrainStep:
         """A jitted ``step(state, batch) -> (state, metrics)``.
 
@@ -209,8 +225,13 @@ class ZeroOptimizer:
         (the loss gathers per layer, e.g. with :func:`jzero.remat_layer`), ``grad_accum``
         (micro-batches per step), ``with_model_state`` (``loss_fn(params, model_state,
         batch) -> (loss, model_state)``), ``has_aux`` (``loss_fn`` returns ``(loss, aux)``;
-        aux comes back in ``metrics['aux']``) and ``donate``. A state consumed by an
-        earlier donated step is refused with an error, not reused.
+        aux comes back in ``metrics['aux']``), ``donate``, ``per_device_rng`` (PRNG keys
+        in the model state folded with the device's index, so devices draw independently)
+        and ``axis_name`` (the model's own name for the batch axis, e.g. ``'batch'`` for
+        ``nn.BatchNorm(axis_name='batch')``). ``loss_fn`` may return a
+        :class:`jzero.Weighted` ``(total, count)`` for a loss averaged over the global
+        batch's tokens. A state consumed by an earlier donated step is refused with an
+        error, not reused.
         """
         return make_train_step(
             self.tx,
@@ -223,4 +244,8 @@ class ZeroOptimizer:
             with_model_state=with_model_state,
             has_aux=has_aux,
             donate=donate,
+            per_device_rng=per_device_rng,
+            axis_name=axis_name,
+            bucket=bucket,
+            prefetch=prefetch,
         )

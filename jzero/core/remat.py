@@ -21,42 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .collectives import GATHERED, Sharded, after, gather, regather_policy
+from .collectives import GATHERED, Sharded, after, gather, saves_no_gathered
 
 
 def _gathers(params: Any) -> bool:
     """Whether ``params`` holds handles of partitioned (stage-3) parameters."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Sharded))
     return any(isinstance(p, Sharded) and p.gathers for p in leaves)
-
-
-def _gathers_inside(params: dict[str, Any]) -> bool:
-    """Whether a ``custom_vjp_call`` (``jzero.gather``'s ``_use``) all-gathers."""
-    jaxpr = getattr(params.get("call_jaxpr"), "jaxpr", params.get("call_jaxpr"))
-    return any(
-        eqn.primitive is jax.lax.all_gather_p or eqn.params.get("name") == GATHERED
-        for eqn in getattr(jaxpr, "eqns", ())
-    )
-
-
-def _saves_no_gathered(policy: Callable[..., bool]) -> Callable[..., bool]:
-    """``policy``, but never saving a gathered parameter.
-
-    On top of ``regather_policy``: under ``jax.vjp`` (direct linearize) the policy sees
-    ``jzero.gather``'s custom VJP as one ``custom_vjp_call``, not its ``all_gather``, and
-    a ``reduce_precision`` (a no-op at the value's own precision) JAX adds after it; both
-    would save the gathered parameter. ``reduce_precision`` is never saved (backward
-    redoes it from whatever its input is).
-    """
-
-    def combined(prim: Any, *args: Any, **params: Any) -> bool:
-        if prim.name == "custom_vjp_call" and _gathers_inside(params):
-            return False
-        if prim is jax.lax.reduce_precision_p:
-            return False
-        return regather_policy(prim, *args, **params) and policy(prim, *args, **params)
-
-    return combined
 
 
 def _tie_unsaved(params: Any, dep: Any) -> Any:
@@ -129,7 +100,7 @@ def remat_layer(
         # stored shards themselves (no tied copies), the inputs and what policy saves.
         saving = jax.checkpoint(
             lambda params, *args: plain(_tie_unsaved(params, args), *args),
-            policy=_saves_no_gathered(policy),
+            policy=saves_no_gathered(policy),
         )
 
         def layer_fwd(params, *args):

@@ -18,6 +18,8 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .axis_alias import alias_mesh
+from .axis_names import check_aliases
 from .backward import local_grads
 from .checks import check_batch, check_global_batch, check_live, check_state
 from .collectives import all_gather
@@ -26,6 +28,7 @@ from .placement import constrain, store, view
 from .plan import Plan
 from .precision import Precision
 from .state import ZeroState
+from .weighted import Weighted, divisor
 
 Metrics = dict[str, Any]
 
@@ -61,6 +64,10 @@ def make_train_step(
     with_model_state: bool = False,
     has_aux: bool = False,
     donate: bool = True,
+    per_device_rng: bool = True,
+    axis_name: str | tuple[str, ...] | None = None,
+    bucket: bool = False,
+    prefetch: bool = False,
 ) -> TrainStep:
     """Builds the jitted ``step(state, batch) -> (state, metrics)`` for ``state.plan``.
 
@@ -69,7 +76,10 @@ def make_train_step(
         precision: the precision policy (reduce dtype, loss scaling).
         loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over its batch. It runs
             per device on that device's slice of the batch (leading axis split over 'data').
-            With ``has_aux``, it returns ``(loss, aux)``.
+            With ``has_aux``, it returns ``(loss, aux)``. It may return a
+            :class:`jzero.Weighted` ``(total, count)`` in place of the mean: the step then
+            sums both over devices and micro-batches and trains on their quotient, the
+            global-batch objective whatever the number of tokens on each device.
         mesh, stage: what the state must have been made for (checked at trace time, with
             ``precision`` and ``tx``: a state from another optimizer is refused).
         manual_gather: if False (default), stage 3 gathers every parameter at the start of
@@ -93,6 +103,29 @@ def make_train_step(
             has_aux=True)``; ``metrics['aux']`` holds aux averaged over devices and
             micro-batches (floats; integers are summed, e.g. token counts).
         donate: donate the old state's buffers to the new one.
+        per_device_rng: typed PRNG keys in the model state (``jax.random.key``; an NNX
+            ``RngStream``'s key) are folded with the device's index along the batch axes
+            before ``loss_fn`` sees them, so devices draw independently (e.g. dropout
+            masks); the state written back is the same on every device (the unfolded key
+            if ``loss_fn`` left it as it got it, else device 0's). False: every device
+            gets the same key, as before.
+        axis_name: the model's own name(s) for the batch axis, e.g. ``'batch'`` for a
+            Flax ``nn.BatchNorm(axis_name='batch')``: collectives over it run over the
+            batch axes (``'data'``; ``('replica', 'data')`` when hybrid), so synchronised
+            statistics are those of the global batch. A collective over an axis that is
+            neither a mesh axis nor an alias raises ``ValueError`` naming it.
+        bucket: each layer's leaves travel as one flat all-gather (stage 3) and one flat
+            reduce-scatter (stages 2/3) per dtype instead of one collective per leaf
+            (DeepSpeed's buckets, FSDP2's parameter groups; :mod:`.buckets`). A layer is
+            what one gather happens for: a scan step (stage 3's default), a
+            :func:`jzero.remat_layer`, a ``layers=`` block, a ``jzero.gather`` call.
+            The collectives are exact (bitwise those of ``bucket=False``).
+        prefetch: stage 3's default gathering, in scans over stacked layers: issue layer
+            i+1's all-gather in the step that computes layer i, and in backward layer
+            i-1's in the step of layer i (FSDP2's forward/backward prefetch, for XLA's
+            latency-hiding scheduler on GPU; :mod:`.prefetch`). Two layers are gathered
+            at a time instead of one, and backward recomputes each layer's forward from
+            its input (activations are not kept). Same values as without.
 
     ``metrics`` holds ``loss`` (mean over the global batch), ``grad_norm`` (global L2 norm
     of the averaged gradient, padding excluded) and, with dynamic loss scaling,
@@ -102,6 +135,7 @@ def make_train_step(
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}.")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    aliases = check_aliases(axis_name, mesh.axis_names)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state, stage=stage, mesh=mesh, mixed=precision.mixed, tx=tx)
@@ -117,11 +151,15 @@ def make_train_step(
             precision=precision,
             has_aux=has_aux,
             with_model_state=with_model_state,
+            per_device_rng=per_device_rng,
+            aliases=aliases,
+            bucket=bucket,
+            prefetch=prefetch,
         )
         grad_specs = [lay.data_spec() if plan.partitions_opt_state else P() for lay in plan.layouts]
         fwd_bwd = jax.shard_map(
             body,
-            mesh=plan.mesh,
+            mesh=alias_mesh(plan.mesh, aliases) if aliases else plan.mesh,
             in_specs=(
                 jax.tree.unflatten(plan.params_def, [s.data_spec for s in plan.params]),
                 jax.tree.map(lambda _: P(), state.model_state),
@@ -129,12 +167,21 @@ def make_train_step(
                 jax.tree.map(lambda _: P(plan.batch_axes), batch),
             ),
             out_specs=(P(), jax.tree.unflatten(plan.params_def, grad_specs), P(), P()),
-            axis_names=set(plan.manual_axes),
+            axis_names=set(plan.manual_axes) | set(aliases),
         )
         loss, grads, model_state, aux = fwd_bwd(state.params, state.model_state, scale, batch)
+        if aliases:  # back from the alias mesh onto the state's own (one compiled step)
+            loss, model_state, aux = jax.lax.with_sharding_constraint(
+                (loss, model_state, aux), plan.sharding(P())
+            )
         # Global view from here: sums -> means (and unscaled), padding sliced off.
+        if isinstance(loss, Weighted):  # global sums: divide by the global count
+            count = divisor(loss.count)
+            loss, denominator = loss.total / count, count * scale
+        else:
+            denominator = n * grad_accum * scale
         grads = jax.tree.map(
-            lambda g, lay: unpad(g.astype(jnp.float32) / (n * grad_accum * scale), lay),
+            lambda g, lay: unpad(g.astype(jnp.float32) / denominator, lay),
             grads,
             plan.params_tree(),
         )

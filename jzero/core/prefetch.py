@@ -1,0 +1,146 @@
+"""A stage-3 layer loop that prefetches: FSDP2's forward and backward prefetch.
+
+``prefetched_scan`` runs a scan over stacked layers whose parameters are sharded
+(:class:`Sharded` stacks) as a ``custom_vjp`` with two loops of its own:
+
+- forward: layer i+1's all-gather is issued in the loop step that computes layer i (the
+  gathered layer rides in the loop carry), so on GPU the latency-hiding scheduler can
+  overlap it with layer i's compute; each layer's input is kept;
+- backward, in reverse: layer i-1's all-gather is issued in the step that recomputes layer
+  i's forward from its kept input and takes its VJP; the weight cotangent is
+  reduce-scattered (cast to the reduce dtype) in that step.
+
+So two layers' gathered parameters are alive at a time instead of one (the estimator's
+``prefetch=True`` term), and backward recomputes each layer's forward, as
+:func:`jzero.remat_layer` with ``policy=None`` does. Values are those of the plain scan:
+the same gathers, the same layer function, the same reductions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .buckets import all_gather_flat, reduce_scatter_flat
+from .collectives import Sharded, after, all_gather, reduce_scatter
+
+Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
+"""``step(consts, carry, params, x) -> (carry, y)``: one layer, ``params`` gathered."""
+
+
+def prefetched_scan(
+    step: Step, consts: Any, init: Any, handles: list[Sharded], xs: Any, *, length: int,
+    reverse: bool,
+) -> tuple[Any, Any]:  # fmt: skip
+    """``lax.scan`` of ``step`` over ``length`` layers, each layer's slice of ``handles``
+    (stacked along their leading axis) gathered one step ahead, forward and backward.
+
+    ``consts``, ``init`` and ``xs`` must hold floating-point arrays only (see
+    :func:`can_prefetch`). Returns ``(carry, ys)`` as ``lax.scan`` would.
+    """
+    layouts = tuple(h.layout for h in handles)
+    bucket = any(h.bucket for h in handles)
+    dtypes = tuple(h.sink.dtype for h in handles)  # each gradient's reduce dtype
+    return _layers(
+        step, layouts, bucket, dtypes, length, reverse, consts, init,
+        [h.sink for h in handles], [h.value for h in handles], xs,
+    )  # fmt: skip
+
+
+def can_prefetch(*trees: Any) -> bool:
+    """Whether every leaf is a floating-point array (the loop's VJP then needs no float0)."""
+    return all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(trees))
+
+
+def _at(tree: Any, i: Any) -> Any:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _gather(values: list, layouts: tuple, bucket: bool, i: Any, dep: Any = None) -> list:
+    shards = [jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False) for v in values]
+    if dep is not None:
+        shards = after(shards, dep)
+    if bucket:
+        return all_gather_flat(shards, layouts)
+    return [all_gather(s, lay) for s, lay in zip(shards, layouts)]
+
+
+def _scatter(grads: list, layouts: tuple, bucket: bool, dtypes: list) -> list:
+    grads = [g.astype(d) for g, d in zip(grads, dtypes)]
+    if bucket:
+        return reduce_scatter_flat(grads, layouts)
+    return [reduce_scatter(g, lay) for g, lay in zip(grads, layouts)]
+
+
+def _stack_last(looped: Any, last: Any, flip: bool) -> Any:
+    """Loop outputs (processing order) and the peeled last step's -> position order."""
+
+    def join(a, b):
+        out = b[None] if a is None else jnp.concatenate([a, b[None]])
+        return jnp.flip(out, 0) if flip else out
+
+    if looped is None:
+        return jax.tree.map(lambda b: join(None, b), last)
+    return jax.tree.map(join, looped, last)
+
+
+def _loop(length: int, reverse: bool, fetch: Callable, run: Callable, carry: Any):
+    """Processes layers in order (``reverse``: from the last), each step fetching the next
+    layer's parameters before running this one; the last step is peeled off so that no
+    step fetches a layer it will not use. Returns (carry, outputs in position order)."""
+    pos = lambda k: length - 1 - k if reverse else k
+    # The first layer's gather waits for the loop's input (forward: the carry; backward:
+    # its cotangent), or XLA may issue it early and hold it through the other pass.
+    params = fetch(pos(0), dep=carry)
+
+    def body(state, k):
+        carry, params = state
+        upcoming = fetch(pos(k + 1))  # issued before this layer's compute
+        carry, out = run(carry, params, pos(k))
+        return (carry, upcoming), out
+
+    looped = None
+    if length > 1:
+        (carry, params), looped = jax.lax.scan(body, (carry, params), jnp.arange(length - 1))
+    carry, last = run(carry, params, pos(length - 1))
+    return carry, _stack_last(looped, last, flip=reverse)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _layers(step, layouts, bucket, dtypes, length, reverse, consts, init, sinks, values, xs):
+    args = (consts, init, sinks, values, xs)
+    return _layers_fwd(step, layouts, bucket, dtypes, length, reverse, *args)[0]
+
+
+def _layers_fwd(step, layouts, bucket, dtypes, length, reverse, consts, init, sinks, values, xs):
+    def run(carry, params, i):
+        new, y = step(consts, carry, params, _at(xs, i))
+        return new, (y, carry)  # keep the layer's input for backward
+
+    fetch = partial(_gather, values, layouts, bucket)
+    carry, (ys, inputs) = _loop(length, reverse, fetch, run, init)
+    return (carry, ys), (consts, inputs, values, xs)
+
+
+def _layers_bwd(step, layouts, bucket, dtypes, length, reverse, res, cts):
+    consts, inputs, values, xs = res
+    ct_carry, ct_ys = cts
+
+    def run(state, params, i):
+        ct_c, ct_consts = state
+        _, vjp = jax.vjp(step, consts, _at(inputs, i), params, _at(xs, i))
+        d_consts, d_carry, d_params, d_x = vjp((ct_c, _at(ct_ys, i)))
+        ct_consts = jax.tree.map(jnp.add, ct_consts, d_consts)
+        return (d_carry, ct_consts), (_scatter(d_params, layouts, bucket, dtypes), d_x)
+
+    fetch = partial(_gather, values, layouts, bucket)
+    zeros = jax.tree.map(jnp.zeros_like, consts)
+    (ct_init, ct_consts), (grads, ct_xs) = _loop(length, not reverse, fetch, run, (ct_carry, zeros))
+    return ct_consts, ct_init, grads, [None] * len(values), ct_xs
+
+
+_layers.defvjp(_layers_fwd, _layers_bwd)
