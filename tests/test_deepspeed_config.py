@@ -597,3 +597,17 @@ def test_main_job_refuses_a_config_that_does_not_fit(tmp_path, capsys):
         "data-parallel devices: train_batch_size must be train_micro_batch_size_per_gpu x "
         "gradient_accumulation_steps x 8. Change one of them."
     )
+
+
+def test_zero_plus_plus_quantized_weights_map_to_int8_gathers():
+    ds = jzero.from_deepspeed_config(
+        {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
+    )
+    assert ds.stage == 3 and ds.precision.gather_quant == "int8"
+    for key, value in [("zero_quantized_gradients", True), ("zero_hpz_partition_size", 8)]:
+        with pytest.raises(ValueError, match=key):
+            jzero.from_deepspeed_config({"zero_optimization": {"stage": 3, key: value}})
+    with pytest.raises(ValueError, match="zero_quantized_weights"):
+        jzero.from_deepspeed_config(
+            {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}
+        )

@@ -183,7 +183,9 @@ def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> Deep
     notes: list[str] = []
     top = Section(config, path="", table=TOP, notes=notes)
     precision = read_precision(top)
-    stage, min_shard_size = read_zero(top)
+    stage, min_shard_size, quantized = read_zero(top)
+    if quantized:  # ZeRO++ qwZ: int8 all-gathers with blockwise scales
+        precision = dataclasses.replace(precision, gather_quant="int8")
     clip = top["gradient_clipping"]
     if clip < 0:
         top.refuse("gradient_clipping", "use a positive bound, or 0 for none.")

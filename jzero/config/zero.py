@@ -1,5 +1,6 @@
 """DeepSpeed's ``"zero_optimization"``: the stage, the stage-3 persistence threshold as
-``min_shard_size``; offloading refused; the performance knobs jzero has no use for warned.
+``min_shard_size``, ZeRO++ quantized weights as ``Precision(gather_quant="int8")``;
+offloading, qgZ and hpZ refused; the performance knobs jzero has no use for warned.
 
 ``stage3_param_persistence_threshold``: DeepSpeed keeps parameters of at most that many
 elements whole at stage 3 (``numel <= threshold``); jzero's ``min_shard_size`` keeps leaves
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .keys import Key, Section, integer, no_effect, one_of
+from .keys import Key, Section, boolean, integer, no_effect, one_of, positive
 
 
 def stage(value: Any) -> int:
@@ -29,6 +30,14 @@ BUCKETS = (
 GATHERS = (
     "stage 3 gathers per layer by itself (in scans; jax.checkpoint'ed layers); for one "
     "layer of prefetch pass train_step(..., prefetch=True)"
+)
+QGZ = (
+    "quantized gradient reduce-scatters (ZeRO++ qgZ) are not implemented in jzero; "
+    "gradients are reduced in Precision.reduce_dtype (communication_data_type)."
+)
+HPZ = (
+    "jzero has no secondary partition (ZeRO++ hpZ); for sharding within groups of devices "
+    "use a hybrid mesh, jzero.hybrid_mesh(replicas) (HSDP)."
 )
 NO_OFFLOAD = no_effect('nothing is offloaded ("device": "none")')
 OFFLOADING = (
@@ -69,6 +78,9 @@ ZERO = {
     "stage3_gather_16bit_weights_on_model_save": no_effect(
         "jzero.checkpoint.export_safetensors writes the whole model"
     ),
+    "zero_quantized_weights": Key(boolean, False),  # -> Precision(gather_quant="int8")
+    "zero_quantized_gradients": Key(boolean, False, refused=QGZ, matches=(False,)),  # fmt: skip
+    "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
     "sub_group_size": no_effect("the update is one XLA program over every shard"),
     "round_robin_gradients": no_effect("it concerns CPU offload, which jzero does not do"),
     "elastic_checkpoint": no_effect("jzero.Checkpointer restores on any device count"),
@@ -76,15 +88,18 @@ ZERO = {
 }
 
 
-def read_zero(top: Section) -> tuple[int, int | None]:
-    """``(stage, min_shard_size or None)`` from the top level ``top``."""
+def read_zero(top: Section) -> tuple[int, int | None, bool]:
+    """``(stage, min_shard_size or None, quantized weights)`` from the top level ``top``."""
     zero = top.section("zero_optimization", ZERO)
     for key in ("offload_optimizer", "offload_param"):
         zero.section(key, OFFLOAD)
+    quantized = zero["zero_quantized_weights"]
+    if quantized and zero["stage"] != 3:
+        zero.refuse("zero_quantized_weights", "it quantizes stage 3's all-gathers; use stage 3.")
     key = "stage3_param_persistence_threshold"
     if key not in zero:
-        return zero["stage"], None
+        return zero["stage"], None, quantized
     if zero["stage"] != 3:
         zero.note(key, "DeepSpeed uses it at stage 3 only")
-        return zero["stage"], None
-    return 3, max(0, zero[key]) + 1
+        return zero["stage"], None, quantized
+    return 3, max(0, zero[key]) + 1, quantized
