@@ -11,6 +11,10 @@ and fp32 training replaces each 2 by 4. GB means 10^9 bytes throughout.
 
 Hybrid sharding (HSDP: model states sharded within groups of G devices, replicated
 across the R = N/G groups) is the same table with N replaced by G (``shard_group=G``).
+
+Optimizer offload (ZeRO-Offload, ``offload="optimizer"``, stages 1-3) moves the K·Ψ/N
+optimizer bytes to host memory; the device keeps only the buckets streaming through it,
+at most two of the largest layer's states (2·K·Ψ_layer/N).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, Literal
 
 Stage = Literal[0, 1, 2, 3]
 Precision = Literal["mixed", "fp32"]
+Offload = Literal[None, "optimizer"]
 STAGES: tuple[Stage, ...] = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 # Default K (optimizer bytes per parameter, Adam). mixed: fp32 master copy + two fp32
@@ -32,15 +37,19 @@ _PARAM_BYTES = {"mixed": 2, "fp32": 4}  # bytes per parameter of params, and of 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """Bytes per device for one ZeRO stage (floats: Ψ/N need not be whole)."""
+    """Bytes per device for one ZeRO stage (floats: Ψ/N need not be whole).
+
+    Every field but ``host_bytes`` is device memory; ``total_bytes`` is the device's.
+    """
 
     stage: int
     params_bytes: float  # parameters held: full copy, or a 1/N shard at stage 3
     grads_bytes: float  # gradients held: full, or a 1/N shard at stages 2-3
-    optimizer_bytes: float  # K·Ψ, or a 1/N shard at stages 1-3
+    optimizer_bytes: float  # K·Ψ, or a 1/N shard at stages 1-3; offloaded: 2 layers' share
     gathered_layer_bytes: float  # stage 3: the largest layer's params, gathered in full
     activation_bytes: float  # as given (see `transformer_activation_bytes`)
     buffer_bytes: float  # communication buffers, as given
+    host_bytes: float = 0.0  # offloaded optimizer state in host memory: K·Ψ/N, else 0
 
     @property
     def model_state_bytes(self) -> float:
@@ -224,6 +233,7 @@ def estimate(
     activation_bytes: float = 0.0,
     buffer_bytes: float = 0.0,
     shard_group: int | None = None,
+    offload: Offload = None,
 ) -> Estimate:
     """Memory per device of one ZeRO stage.
 
@@ -246,6 +256,9 @@ def estimate(
         shard_group: hybrid sharding (HSDP): model states are sharded within groups of
             this many devices G and replicated across the N/G groups, so the stage
             formulas hold with N replaced by G. G must divide N; default N (plain ZeRO).
+        offload: ``"optimizer"`` (stages 1-3): the optimizer state (K·Ψ/N) is in
+            ``host_bytes``; the device holds two of the largest layer's optimizer states
+            (``2·K·largest_layer_params/N``) while they stream through it.
 
     Examples:
         >>> round(estimate(params=7.5e9, devices=64, stage=1).total_bytes / 1e9, 1)
@@ -261,7 +274,23 @@ def estimate(
     states = _state_bytes(params / model_parallel, group, stage, pb, pb, k)
     gathered = (2 if prefetch else 1) * pb * largest_layer_params / model_parallel
     gathered = gathered if stage == 3 and group > 1 else 0.0
-    return Estimate(stage, *states, gathered, float(activation_bytes), float(buffer_bytes))
+    host = 0.0
+    if _check_offload(offload, stage):
+        host = states[2]
+        states = (*states[:2], 2 * k * largest_layer_params / model_parallel / group)
+    extra = (gathered, float(activation_bytes), float(buffer_bytes), host)
+    return Estimate(stage, *states, *extra)
+
+
+def _check_offload(offload: Any, stage: int) -> bool:
+    if offload not in (None, "optimizer"):
+        raise ValueError(f"offload must be None or 'optimizer', got {offload!r}.")
+    if offload is not None and stage == 0:
+        raise ValueError(
+            "offload='optimizer' needs stage >= 1 (stage 0 does not shard the optimizer "
+            "state, and jzero does not offload it); use stage=1, 2 or 3."
+        )
+    return offload is not None
 
 
 def stage_table(**kwargs: Any) -> tuple[Estimate, ...]:

@@ -26,9 +26,14 @@ from .estimate import theory_comm_bytes, theory_comm_bytes_per_axis, theory_mode
 from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, summary_table
 
 _MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+_MEMORY_FIELDS += ("host_argument", "host_output", "host_alias", "host_temp")  # offload
 CPU_NOTE = (
     "XLA:CPU runs 16-bit collectives in f32, so on CPU a bf16 model's measured "
     "communication is about twice the theory."
+)
+QUANT_NOTE = (
+    "the s8 all-gathers (and their f32 scales) are stage 3's quantized parameter gathers "
+    "(Precision.gather_quant); the theory counts every gather in the parameters' dtype."
 )
 
 
@@ -56,7 +61,9 @@ class Report:
             parameter (optimizer state: a single-device copy's bytes / Ψ).
         peak_bytes: compiled peak per device, ``argument + output + temp - alias`` from
             ``compiled.memory_analysis()``; -1 when the backend gives no analysis.
-        memory: the raw memory-analysis fields (``<name>_size_in_bytes``), in bytes.
+        memory: the raw memory-analysis fields (``<name>_size_in_bytes``), in bytes; the
+            ``host_*`` ones count host memory (an offloaded optimizer's state on GPU;
+            XLA:CPU has one memory and counts everything as device memory).
         collectives: every collective of the optimized HLO, with its trip count.
         comm_bytes: bytes sent per device per step in the ring model, by kind and total.
         theory_comm_bytes: 2·S·(N−1)/N (stages 0-2) or 3·S·(N−1)/N (stage 3), S = one
@@ -69,6 +76,9 @@ class Report:
             both, e.g. the loss mean), from :func:`jzero.accounting.hlo.comm_bytes_by_axis`.
         theory_comm_bytes_by_axis: ``{'data': ...}``, with hybrid sharding also
             ``'replica'``: :func:`~jzero.accounting.estimate.theory_comm_bytes_per_axis`.
+        bytes_by_memory_kind: the live parameters, optimizer state and master weights
+            per device by the memory kind they rest in (``'device'``; ``'pinned_host'``
+            for an offloaded optimizer's state and master weights).
     """
 
     stage: int
@@ -87,6 +97,7 @@ class Report:
     replicas: int = 1
     comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     theory_comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
+    bytes_by_memory_kind: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def model_state_bytes(self) -> int:
@@ -143,6 +154,10 @@ class Report:
             row("params", self.params_bytes),
             row("grads (from plan)", self.grads_bytes),
             row("optimizer state", self.opt_bytes),
+        ]
+        if set(self.bytes_by_memory_kind) - {"device"}:  # offloaded: where the states rest
+            rows += [row(f"  in {k}", b) for k, b in self.bytes_by_memory_kind.items()]
+        rows += [
             row("model states", states, theory_states, ratio(self.model_state_ratio)),
             row("peak (compiled)", self.peak_bytes),
             row("comm / step (ring)", comm, self.theory_comm_bytes, ratio(self.comm_ratio)),
@@ -174,6 +189,14 @@ class Report:
 
 def _shard_bytes(tree: Any) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in jax.tree.leaves(tree):
+        kind = x.sharding.memory_kind or "device"
+        out[kind] = out.get(kind, 0) + x.addressable_shards[0].data.nbytes
+    return out
 
 
 def _grad_bytes(plan: Plan, itemsizes: list[int]) -> int:
@@ -239,6 +262,8 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         )
     on_cpu = any(d.platform == "cpu" for d in jax.tree.leaves(state.params)[0].devices())
     notes = (CPU_NOTE,) if on_cpu and min(itemsizes, default=4) < 4 else ()
+    if any(c.kind == "all-gather" and c.dtype in ("s8", "u8", "s4", "u4") for c in colls):
+        notes += (QUANT_NOTE,)
     return Report(
         stage=plan.stage,
         devices=n,
@@ -256,4 +281,5 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         replicas=plan.replica_size,
         comm_bytes_by_axis=by_axis,
         theory_comm_bytes_by_axis=theory_comm,
+        bytes_by_memory_kind=_bytes_by_memory_kind((state.params, state.opt_state, state.master)),
     )

@@ -71,6 +71,12 @@ def local_grads(
     have them, as ``alias_mesh`` makes it).
     """
     lays, reduce_dtype = plan.layouts, precision.reduce_dtype
+    if precision.gather_quant is not None and not plan.partitions_params:
+        raise ValueError(
+            f"Precision(gather_quant={precision.gather_quant!r}) quantizes stage 3's "
+            f"parameter all-gathers, but stage {plan.stage} gathers no parameters; use "
+            "stage=3, or leave gather_quant=None."
+        )
     axes = plan.batch_axes  # 'data', or ('replica', 'data') when hybrid
 
     def varying(x: jax.Array) -> jax.Array:
@@ -101,12 +107,14 @@ def local_grads(
             # reduce-scattered gradients; the parameters enter through Sharded handles
             sink = lambda lay: varying(jnp.zeros(_local_shape(lay), reduce_dtype))
             diff = [sink(lay) if lay.sharded else varying(x) for x, lay in zip(leaves, lays)]
-            gathers = plan.partitions_params
+            gathers, quant = plan.partitions_params, precision.gather_quantizer
             if plan.hybrid:  # varying over 'replica' like the batch, so that the
                 # cotangent reaching the handle is this device's alone (no implicit psum)
                 leaves = [jax.lax.pcast(x, REPLICA, to="varying") for x in leaves]
             wrap = lambda d: [
-                Sharded(s, x, lay, gathers=gathers, bucket=bucket) if lay.sharded else s
+                Sharded(s, x, lay, gathers=gathers, bucket=bucket, quant=quant)
+                if lay.sharded
+                else s
                 for s, x, lay in zip(d, leaves, lays)
             ]
         else:

@@ -17,7 +17,7 @@ leaf.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +30,22 @@ def _front(x: jax.Array, axis: int) -> jax.Array:
     return jnp.moveaxis(x, axis, 0)
 
 
-def all_gather_flat(shards: Sequence[jax.Array], layouts: Sequence[LeafLayout]) -> list:
-    """Local shards (one dtype) -> full leaves of the true shapes, in one all-gather."""
+def all_gather_flat(
+    shards: Sequence[jax.Array],
+    layouts: Sequence[LeafLayout],
+    *,
+    rows_of: Callable[[jax.Array], jax.Array] | None = None,
+) -> list:
+    """Local shards (one dtype) -> full leaves of the true shapes, in one all-gather.
+
+    ``rows_of``: this device's flat vector -> every device's ``[N, total]``, in place of
+    the plain all-gather (:mod:`.quantize` sends it quantized).
+    """
     axes = [lay.axis(x) for x, lay in zip(shards, layouts)]
     moved = [_front(x, a) for x, a in zip(shards, axes)]
     flat = jnp.concatenate([m.reshape(-1) for m in moved])
-    rows = jax.lax.all_gather(flat, DATA, axis=0, tiled=False)  # [N, total]
+    gather_rows = rows_of or (lambda v: jax.lax.all_gather(v, DATA, axis=0, tiled=False))
+    rows = gather_rows(flat)  # [N, total]
     n, out, start = rows.shape[0], [], 0
     for m, a, lay in zip(moved, axes, layouts):
         size = math.prod(m.shape)

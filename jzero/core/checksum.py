@@ -57,7 +57,9 @@ def leaf_checksum(x: jax.Array, shape: Sequence[int]) -> jax.Array:
 
 @functools.lru_cache(maxsize=64)
 def _program(shapes: tuple[tuple[int, ...], ...]):
-    return jax.jit(lambda leaves: [leaf_checksum(x, s) for x, s in zip(leaves, shapes)])
+    # Leaves in host memory (an offloaded optimizer's) are summed on the device.
+    here = lambda x: jax.device_put(x, jax.memory.Space.Device)
+    return jax.jit(lambda leaves: [leaf_checksum(here(x), s) for x, s in zip(leaves, shapes)])
 
 
 def checksums(leaves: Sequence[jax.Array], shapes: Sequence[Sequence[int]]) -> list[str]:

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from .buckets import all_gather_flat, reduce_scatter_flat
 from .layout import LeafLayout, pad
 from .mesh import DATA
+from .quantize import Quant, quantized_all_gather
 
 GATHERED = "jzero_gathered"
 """``checkpoint_name`` of every gathered parameter, so remat policies can refuse to save
@@ -49,22 +50,27 @@ def _gathers_inside(params: dict[str, Any]) -> bool:
     )
 
 
-def saves_no_gathered(policy: Callable[..., bool]) -> Callable[..., bool]:
-    """``policy``, but never saving a gathered parameter.
+def saves_no_gathered(policy: Callable[..., Any]) -> Callable[..., Any]:
+    """``policy``, but never saving (or offloading) a gathered parameter.
 
     On top of ``regather_policy``: under ``jax.vjp`` (direct linearize) the policy sees
     ``jzero.gather``'s custom VJP as one ``custom_vjp_call``, not its ``all_gather``, and
     a ``reduce_precision`` (a no-op at the value's own precision) JAX adds after it; both
     would save the gathered parameter. ``reduce_precision`` is never saved (backward
-    redoes it from whatever its input is).
+    redoes it from whatever its input is). Everything else gets ``policy``'s own answer,
+    passed through unchanged: a bool, or an offloading policy's ``Offloadable`` (e.g.
+    ``jax.checkpoint_policies.save_and_offload_only_these_names``: the value is kept in
+    host memory until backward).
     """
 
-    def combined(prim: Any, *args: Any, **params: Any) -> bool:
+    def combined(prim: Any, *args: Any, **params: Any) -> Any:
         if prim.name == "custom_vjp_call" and _gathers_inside(params):
             return False
         if prim is jax.lax.reduce_precision_p:
             return False
-        return regather_policy(prim, *args, **params) and policy(prim, *args, **params)
+        if not regather_policy(prim, *args, **params):
+            return False
+        return policy(prim, *args, **params)
 
     return combined
 
@@ -113,43 +119,53 @@ def reduce_scatter(grad: jax.Array, layout: LeafLayout) -> jax.Array:
     )
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _use(sink, value, layout: LeafLayout, gathers: bool, reduce_dtype: Any) -> jax.Array:
-    """``gathers`` (stage 3): all-gather the shard ``value``; otherwise (stage 2) use the
-    local full copy ``value``. Either way the backward pass reduce-scatters the cotangent,
-    in ``reduce_dtype``, into ``sink``."""
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _use(
+    sink, value, layout: LeafLayout, gathers: bool, reduce_dtype: Any, quant: Quant | None
+) -> jax.Array:
+    """``gathers`` (stage 3): all-gather the shard ``value`` (``quant``: quantized,
+    :mod:`.quantize`); otherwise (stage 2) use the local full copy ``value``. Either way
+    the backward pass reduce-scatters the cotangent, in ``reduce_dtype`` and never
+    quantized, into ``sink``."""
     del sink
+    if gathers and quant is not None:
+        return checkpoint_name(quantized_all_gather([value], [layout], quant=quant)[0], GATHERED)
     if gathers:
         return all_gather(value, layout)
     return jax.lax.pcast(value, DATA, to="varying")
 
 
-def _use_fwd(sink, value, layout, gathers, reduce_dtype):
-    return _use(sink, value, layout, gathers, reduce_dtype), None
+def _use_fwd(sink, value, layout, gathers, reduce_dtype, quant):
+    return _use(sink, value, layout, gathers, reduce_dtype, quant), None
 
 
-def _use_bwd(layout, gathers, reduce_dtype, _, ct):
+def _use_bwd(layout, gathers, reduce_dtype, quant, _, ct):
     return reduce_scatter(ct.astype(reduce_dtype), layout), None
 
 
 _use.defvjp(_use_fwd, _use_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _use_bucket(sinks, values, layouts, gathers: bool, reduce_dtype: Any) -> list:
-    """:func:`_use` for several leaves of one dtype, as one flat all-gather (``gathers``)
-    and, in backward, one flat reduce-scatter (:mod:`.buckets`)."""
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _use_bucket(
+    sinks, values, layouts, gathers: bool, reduce_dtype: Any, quant: Quant | None
+) -> list:
+    """:func:`_use` for several leaves of one dtype, as one flat all-gather (``gathers``;
+    ``quant``: quantized) and, in backward, one flat reduce-scatter (:mod:`.buckets`)."""
     del sinks
+    if gathers and quant is not None:
+        full = quantized_all_gather(values, layouts, quant=quant)
+        return [checkpoint_name(x, GATHERED) for x in full]
     if gathers:
         return [checkpoint_name(x, GATHERED) for x in all_gather_flat(values, layouts)]
     return [jax.lax.pcast(x, DATA, to="varying") for x in values]
 
 
-def _use_bucket_fwd(sinks, values, layouts, gathers, reduce_dtype):
-    return _use_bucket(sinks, values, layouts, gathers, reduce_dtype), None
+def _use_bucket_fwd(sinks, values, layouts, gathers, reduce_dtype, quant):
+    return _use_bucket(sinks, values, layouts, gathers, reduce_dtype, quant), None
 
 
-def _use_bucket_bwd(layouts, gathers, reduce_dtype, _, cts):
+def _use_bucket_bwd(layouts, gathers, reduce_dtype, quant, _, cts):
     grads = reduce_scatter_flat([ct.astype(reduce_dtype) for ct in cts], layouts)
     return grads, [None] * len(grads)
 
@@ -172,26 +188,42 @@ class Sharded:
             3) or uses the local full copy (stage 2); static, from the plan.
         bucket: whether :func:`gather` sends this leaf with the others of its call (a
             layer) in one flat collective per dtype; static, the step's ``bucket``.
+        quant: with ``gathers``, how the all-gather is quantized (:class:`.quantize.Quant`,
+            from ``Precision.gather_quant``), or None; static. The backward
+            reduce-scatter is never quantized.
     """
 
-    def __init__(self, sink, value, layout: LeafLayout, *, gathers: bool, bucket: bool = False):
+    def __init__(
+        self,
+        sink,
+        value,
+        layout: LeafLayout,
+        *,
+        gathers: bool,
+        bucket: bool = False,
+        quant: Quant | None = None,
+    ):
         self.sink, self.value, self.layout = sink, value, layout
-        self.gathers, self.bucket = gathers, bucket
+        self.gathers, self.bucket, self.quant = gathers, bucket, quant
 
     def tree_flatten(self):
-        return (self.sink, self.value), (self.layout, self.gathers, self.bucket)
+        return (self.sink, self.value), (self.layout, self.gathers, self.bucket, self.quant)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        layout, gathers, bucket = aux
-        return cls(*children, layout, gathers=gathers, bucket=bucket)
+        layout, gathers, bucket, quant = aux
+        return cls(*children, layout, gathers=gathers, bucket=bucket, quant=quant)
 
     def gather(self) -> jax.Array:
         """This leaf alone: one all-gather (stage 3), one reduce-scatter in backward."""
-        return _use(self.sink, self.value, self.layout, self.gathers, self.sink.dtype)
+        return _use(self.sink, self.value, self.layout, self.gathers, self.sink.dtype, self.quant)
 
     def __repr__(self) -> str:
-        return f"Sharded(shape={self.layout.shape}, dim={self.layout.dim}, gathers={self.gathers})"
+        quant = f", quant={self.quant}" if self.quant is not None else ""
+        return (
+            f"Sharded(shape={self.layout.shape}, dim={self.layout.dim}, "
+            f"gathers={self.gathers}{quant})"
+        )
 
 
 def _is_sharded(x: Any) -> bool:
@@ -204,13 +236,13 @@ def _gather_leaves(leaves: list) -> list:
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(leaves):
         if _is_sharded(x) and x.bucket:
-            key = (x.gathers, jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype))
+            key = (x.gathers, jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype), x.quant)
             groups.setdefault(key, []).append(i)
-    for (gathers, _, reduce_dtype), idx in groups.items():
+    for (gathers, _, reduce_dtype, quant), idx in groups.items():
         hs = [leaves[i] for i in idx]
         full = _use_bucket(
             [h.sink for h in hs], [h.value for h in hs], tuple(h.layout for h in hs),
-            gathers, reduce_dtype,
+            gathers, reduce_dtype, quant,
         )  # fmt: skip
         for i, x in zip(idx, full):
             out[i] = x

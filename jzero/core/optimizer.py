@@ -9,7 +9,7 @@ loss_fn, mesh, stage)`` to :func:`.step.make_train_step`, whose step reads place
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import jax
 import optax
@@ -25,6 +25,7 @@ from .checks import (
 )
 from .layout import DEFAULT_MIN_SHARD_SIZE
 from .mesh import REPLICA, check_mesh, fit_specs
+from .offload import check_offload
 from .placement import full_params, full_state, init_program
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
@@ -56,6 +57,11 @@ class ZeroOptimizer:
             ``replica`` are dropped from the result (jzero places them). A
             ``with nn.logical_axis_rules(...)`` context is not read here.
         precision: a :class:`Precision` policy (default: everything float32).
+        offload: ``"optimizer"`` keeps the sharded Optax state and fp32 master weights in
+            pinned host memory (ZeRO-Offload; stages 1-3); each step streams them through
+            the device one parameter leaf at a time when the transformation is elementwise
+            over leaves, else as one whole tree (:mod:`jzero.core.offload`). The backend
+            must offer the ``pinned_host`` memory kind. None (default): on the device.
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(optax.adamw(3e-4), jzero.data_mesh(), stage=3)
@@ -74,6 +80,7 @@ class ZeroOptimizer:
         param_specs: Any = None,
         rules: Rules | None = None,
         precision: Precision | None = None,
+        offload: Literal[None, "optimizer"] = None,
     ):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
             raise ValueError(
@@ -96,6 +103,7 @@ class ZeroOptimizer:
         self.param_specs = param_specs
         self.rules = None if rules is None else check_rules(rules, mesh)
         self.precision = check_precision(Precision() if precision is None else precision)
+        self.offload = offload if check_offload(offload, mesh=mesh, stage=stage) else None
 
     def plan(self, params: Any) -> Plan:
         """Where every leaf lives, for ``params`` (arrays or ``jax.ShapeDtypeStruct`` s).
@@ -115,6 +123,7 @@ class ZeroOptimizer:
             user_specs=self._user_specs(shapes),
             min_shard_size=self.min_shard_size,
             param_dtype=self.precision.param_dtype,
+            offload=self.offload is not None,
         )
 
     def _user_specs(self, shapes: Any) -> Any:

@@ -3,7 +3,8 @@
 Everything here follows the :class:`Plan`: ``store`` pads the leaves it stores partitioned,
 ``view`` slices the padding off again, ``state_shardings`` names every leaf's sharding;
 ``init_program`` builds a fresh state straight into that layout and ``full_params`` brings
-the parameters (``full_state``: every model state) back whole.
+the parameters (``full_state``: every model state) back whole. ``to_device`` and ``to_host``
+move leaves between memory kinds inside a jitted program (optimizer offload).
 """
 
 from __future__ import annotations
@@ -36,6 +37,30 @@ def store(tree: Any, stored: tuple[Stored, ...]) -> Any:
 def view(tree: Any, stored: tuple[Stored, ...]) -> Any:
     """Stored shapes -> true shapes: the padding is sliced off."""
     return _map(lambda x, s: unpad(x, s.layout) if s.partitioned else x, tree, stored)
+
+
+def device_sharding(plan: Plan, stored: Stored) -> jax.sharding.NamedSharding:
+    """The leaf's planned sharding, but in the device's own memory (where XLA computes)."""
+    return plan.sharding(stored).with_memory_kind("device")
+
+
+def to_device(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
+    """Stored leaves -> the same shards in device memory (a copy only for offloaded leaves)."""
+    move = lambda x, s: x if s.memory_kind is None else jax.device_put(x, device_sharding(plan, s))
+    return _map(move, tree, stored)
+
+
+def to_host(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
+    """Leaves in device memory -> their planned sharding and memory kind (e.g. pinned host
+    memory). The sharding is constrained first: XLA:CPU compiles the move itself away."""
+
+    def move(x: jax.Array, s: Stored) -> jax.Array:
+        if s.memory_kind is None:
+            return x
+        x = jax.lax.with_sharding_constraint(x, device_sharding(plan, s))
+        return jax.device_put(x, plan.sharding(s))
+
+    return _map(move, tree, stored)
 
 
 def constrain(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
@@ -111,8 +136,10 @@ def _full_state_program(plan: Plan) -> Callable[[Any, Any, Any], Any]:
     out = (_whole(plan, plan.params, plan.params_def), _whole(plan, plan.opt, plan.opt_def), master)
 
     def program(params, opt_state, master):
-        master = None if plan.master is None else view(master, plan.master)
-        return view(params, plan.params), view(opt_state, plan.opt), master
+        if plan.master is not None:
+            master = view(to_device(plan, master, plan.master), plan.master)
+        opt_state = view(to_device(plan, opt_state, plan.opt), plan.opt)
+        return view(params, plan.params), opt_state, master
 
     return jax.jit(program, out_shardings=out)
 

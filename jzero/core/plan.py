@@ -25,6 +25,8 @@ from .layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
 
 Stage = Literal[0, 1, 2, 3]
+HOST = "pinned_host"
+"""The memory kind an offloaded leaf is stored in (ZeRO-Offload: the optimizer's leaves)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +138,11 @@ class Plan:
         """The optimizer state's layouts, flat."""
         return tuple(s.layout for s in self.opt)
 
+    @property
+    def offloads(self) -> bool:
+        """Whether the optimizer state and master weights rest in host memory (``HOST``)."""
+        return any(s.memory_kind == HOST for s in (*self.opt, *(self.master or ())))
+
     def params_tree(self) -> Any:
         """The parameters' :class:`LeafLayout` s as a pytree shaped like the parameters."""
         return jax.tree.unflatten(self.params_def, self.layouts)
@@ -177,6 +184,7 @@ def make_plan(
     user_specs: Any,
     min_shard_size: int,
     param_dtype: Any,
+    offload: bool = False,
 ) -> Plan:
     """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``stage``.
 
@@ -185,7 +193,8 @@ def make_plan(
     one parameter has that shape. ``user_specs`` is a tree of ``PartitionSpec`` over the
     mesh's other axes, shaped like ``params``. Parameters are stored in ``param_dtype``;
     with a 16-bit ``param_dtype`` the fp32 master weights are laid out like the optimizer
-    state.
+    state. With ``offload`` the optimizer state and master weights are stored in host
+    memory (memory kind ``HOST``); the parameters stay on the device.
     """
     n = 1 if stage == 0 else mesh.shape[DATA]
     rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_shard_size, user_spec=spec)
@@ -204,16 +213,17 @@ def make_plan(
     mixed = param_dtype != np.dtype(np.float32)
     floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
     stored_dtype = lambda x: param_dtype if floating(x) else np.dtype(x.dtype)
+    kind = HOST if offload else None
     params_stored = tuple(
         Stored(lay, stage == 3, stored_dtype(x)) for lay, x in zip(p_lays, p_leaves)
     )
     opt_stored = tuple(
-        Stored(lay, stage >= 1, np.dtype(x.dtype)) for lay, x in zip(o_lays, o_leaves)
+        Stored(lay, stage >= 1, np.dtype(x.dtype), kind) for lay, x in zip(o_lays, o_leaves)
     )
     master = None
     if mixed:
         master = tuple(
-            Stored(lay, stage >= 1, np.dtype(np.float32) if floating(x) else np.dtype(x.dtype))
+            Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind)
             for lay, x in zip(p_lays, p_leaves)
         )
     return Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master)

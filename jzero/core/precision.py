@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .quantize import GATHER_QUANTS, Quant
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -41,10 +43,19 @@ class Precision:
             on for float16, off otherwise.
         initial_loss_scale: the starting scale (a power of two).
         growth_interval: good steps between doublings of the scale.
+        gather_quant: ``'int8'``: stage 3 all-gathers its parameters as int8 with one
+            fp32 scale per block of ``quant_block`` elements (ZeRO++'s qwZ, about 0.27x
+            fp32's bytes; :mod:`jzero.core.quantize`); each element is off by at most
+            absmax/254 of its block. Gradients are those at the dequantized parameters,
+            reduce-scattered unquantized in ``reduce_dtype``. None: gathered exactly.
+            Only stage 3 gathers parameters; other stages refuse it.
+        quant_block: elements per fp32 scale of a quantized gather (a positive int).
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=2,
         ...                           precision=jzero.Precision(param_dtype=jnp.bfloat16))
+        >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=3,
+        ...                           precision=jzero.Precision(gather_quant='int8'))
     """
 
     param_dtype: Any = jnp.float32
@@ -52,6 +63,8 @@ class Precision:
     dynamic_loss_scale: bool | None = None
     initial_loss_scale: float = 2.0**15
     growth_interval: int = 2000
+    gather_quant: Literal["int8"] | None = None
+    quant_block: int = 256
 
     def __post_init__(self):
         param = _check_dtype("param_dtype", self.param_dtype)
@@ -65,11 +78,31 @@ class Precision:
                 "Precision needs initial_loss_scale > 0 and growth_interval >= 1, got "
                 f"{self.initial_loss_scale} and {self.growth_interval}."
             )
+        if self.gather_quant is not None and self.gather_quant not in GATHER_QUANTS:
+            allowed = " or ".join(repr(q) for q in GATHER_QUANTS)
+            raise ValueError(
+                f"Precision.gather_quant must be None or {allowed}, got "
+                f"{self.gather_quant!r}; e.g. Precision(gather_quant='int8')."
+            )
+        block = self.quant_block
+        if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 1:
+            raise ValueError(
+                f"Precision.quant_block must be a positive int (elements per fp32 scale), "
+                f"got {block!r}; e.g. Precision(gather_quant='int8', quant_block=256)."
+            )
+        object.__setattr__(self, "quant_block", int(block))
 
     @property
     def mixed(self) -> bool:
         """Whether fp32 master weights are kept apart from the parameters."""
         return self.param_dtype != np.dtype(jnp.float32)
+
+    @property
+    def gather_quantizer(self) -> Quant | None:
+        """How stage 3's parameter all-gathers are quantized; None: they are exact."""
+        if self.gather_quant is None:
+            return None
+        return Quant(self.gather_quant, self.quant_block)
 
     def cast(self, tree: Any, dtype: Any = None) -> Any:
         """Floating leaves of ``tree`` (arrays or shapes) to ``dtype`` (default ``param_dtype``)."""

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from .buckets import all_gather_flat, reduce_scatter_flat
 from .collectives import Sharded, after, all_gather, reduce_scatter
+from .quantize import Quant, quantized_all_gather
 
 Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
 """``step(consts, carry, params, x) -> (carry, y)``: one layer, ``params`` gathered."""
@@ -44,9 +45,10 @@ def prefetched_scan(
     """
     layouts = tuple(h.layout for h in handles)
     bucket = any(h.bucket for h in handles)
+    quant = next((h.quant for h in handles), None)  # the step's, the same for every handle
     dtypes = tuple(h.sink.dtype for h in handles)  # each gradient's reduce dtype
     return _layers(
-        step, layouts, bucket, dtypes, length, reverse, consts, init,
+        step, layouts, (bucket, quant), dtypes, length, reverse, consts, init,
         [h.sink for h in handles], [h.value for h in handles], xs,
     )  # fmt: skip
 
@@ -60,16 +62,25 @@ def _at(tree: Any, i: Any) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _gather(values: list, layouts: tuple, bucket: bool, i: Any, dep: Any = None) -> list:
+def _gather(
+    values: list, layouts: tuple, how: tuple[bool, Quant | None], i: Any, dep: Any = None
+) -> list:
+    """Layer ``i``'s parameters gathered; ``how``: (bucketed, quantized as)."""
+    bucket, quant = how
     shards = [jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False) for v in values]
     if dep is not None:
         shards = after(shards, dep)
+    if quant is not None and bucket:
+        return quantized_all_gather(shards, layouts, quant=quant)
+    if quant is not None:
+        return [quantized_all_gather([s], [lay], quant=quant)[0] for s, lay in zip(shards, layouts)]
     if bucket:
         return all_gather_flat(shards, layouts)
     return [all_gather(s, lay) for s, lay in zip(shards, layouts)]
 
 
-def _scatter(grads: list, layouts: tuple, bucket: bool, dtypes: list) -> list:
+def _scatter(grads: list, layouts: tuple, how: tuple[bool, Quant | None], dtypes: list) -> list:
+    bucket, _ = how  # reduce-scatters are never quantized
     grads = [g.astype(d) for g, d in zip(grads, dtypes)]
     if bucket:
         return reduce_scatter_flat(grads, layouts)
@@ -111,22 +122,22 @@ def _loop(length: int, reverse: bool, fetch: Callable, run: Callable, carry: Any
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _layers(step, layouts, bucket, dtypes, length, reverse, consts, init, sinks, values, xs):
+def _layers(step, layouts, how, dtypes, length, reverse, consts, init, sinks, values, xs):
     args = (consts, init, sinks, values, xs)
-    return _layers_fwd(step, layouts, bucket, dtypes, length, reverse, *args)[0]
+    return _layers_fwd(step, layouts, how, dtypes, length, reverse, *args)[0]
 
 
-def _layers_fwd(step, layouts, bucket, dtypes, length, reverse, consts, init, sinks, values, xs):
+def _layers_fwd(step, layouts, how, dtypes, length, reverse, consts, init, sinks, values, xs):
     def run(carry, params, i):
         new, y = step(consts, carry, params, _at(xs, i))
         return new, (y, carry)  # keep the layer's input for backward
 
-    fetch = partial(_gather, values, layouts, bucket)
+    fetch = partial(_gather, values, layouts, how)
     carry, (ys, inputs) = _loop(length, reverse, fetch, run, init)
     return (carry, ys), (consts, inputs, values, xs)
 
 
-def _layers_bwd(step, layouts, bucket, dtypes, length, reverse, res, cts):
+def _layers_bwd(step, layouts, how, dtypes, length, reverse, res, cts):
     consts, inputs, values, xs = res
     ct_carry, ct_ys = cts
 
@@ -135,9 +146,9 @@ def _layers_bwd(step, layouts, bucket, dtypes, length, reverse, res, cts):
         _, vjp = jax.vjp(step, consts, _at(inputs, i), params, _at(xs, i))
         d_consts, d_carry, d_params, d_x = vjp((ct_c, _at(ct_ys, i)))
         ct_consts = jax.tree.map(jnp.add, ct_consts, d_consts)
-        return (d_carry, ct_consts), (_scatter(d_params, layouts, bucket, dtypes), d_x)
+        return (d_carry, ct_consts), (_scatter(d_params, layouts, how, dtypes), d_x)
 
-    fetch = partial(_gather, values, layouts, bucket)
+    fetch = partial(_gather, values, layouts, how)
     zeros = jax.tree.map(jnp.zeros_like, consts)
     (ct_init, ct_consts), (grads, ct_xs) = _loop(length, not reverse, fetch, run, (ct_carry, zeros))
     return ct_consts, ct_init, grads, [None] * len(values), ct_xs

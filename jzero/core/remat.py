@@ -38,7 +38,7 @@ def _tie_unsaved(params: Any, dep: Any) -> Any:
 
 
 def remat_layer(
-    fn: Callable[..., Any], *, policy: Callable[..., bool] | None = None
+    fn: Callable[..., Any], *, policy: Callable[..., Any] | None = None
 ) -> Callable[..., Any]:
     """``layer(params, *args) = fn(jzero.gather(params), *args)``, rematerialised.
 
@@ -57,6 +57,13 @@ def remat_layer(
       kept, parameters gathered again, no forward recomputation (8 layers of
       256x1024 + 1024x256, Adam, 8 devices: 2.11e8 FLOPs per device per step instead of
       2.41e8, as with the whole-model gather, at the cost of the saved activations).
+    - an offloading policy (ZeRO-R's offloaded activation checkpoints), e.g.
+      ``jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=["hidden"],
+      offload_src="device", offload_dst="pinned_host")``: forward copies the values
+      named with ``checkpoint_name`` to host memory and backward copies them back; a
+      gathered parameter is never offloaded. Values are those of ``policy=None``. XLA:CPU
+      compiles the copies away (it has one memory); the saving needs a GPU or TPU.
 
     In stages 0-2 it is ``jax.checkpoint(..., policy=policy)``.
 

@@ -24,6 +24,7 @@ from .backward import local_grads
 from .checks import check_batch, check_global_batch, check_live, check_state
 from .collectives import all_gather
 from .layout import pad, unpad
+from .offload import offloaded_update
 from .placement import constrain, store, view
 from .plan import Plan
 from .precision import Precision
@@ -185,13 +186,14 @@ def make_train_step(
             grads,
             plan.params_tree(),
         )
-        new_state = _update(tx, precision, state, grads)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        finite = None
+        if state.loss_scale is not None:  # non-finite gradients: the update keeps the state
+            finite = jnp.isfinite(metrics["grad_norm"])
+        new_state = _update(tx, precision, state, grads, finite)
         if has_aux:
             metrics["aux"] = aux
-        if state.loss_scale is not None:
-            finite = jnp.isfinite(metrics["grad_norm"])
-            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+        if finite is not None:
             new_state = new_state.replace(loss_scale=state.loss_scale.next(finite, precision))
             metrics |= {"loss_scale": scale, "skipped": (~finite).astype(jnp.int32)}
         return new_state.replace(step=state.step + 1, model_state=model_state), metrics
@@ -200,28 +202,47 @@ def make_train_step(
 
 
 def _update(
-    tx: optax.GradientTransformation, precision: Precision, state: ZeroState, grads: Any
+    tx: optax.GradientTransformation,
+    precision: Precision,
+    state: ZeroState,
+    grads: Any,
+    finite: jax.Array | None,
 ) -> ZeroState:
-    """The Optax update in the global view, on fp32 master weights, then re-placement."""
-    plan = state.plan
-    if plan.master is not None:
-        master = view(state.master, plan.master)
-    else:
-        master = view(state.params, plan.params)
-    opt_state = view(state.opt_state, plan.opt)
-    updates, opt_state = tx.update(grads, opt_state, master)
-    master = optax.apply_updates(master, updates)
+    """The Optax update in the global view, on fp32 master weights, then re-placement.
 
-    opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
-    params = precision.cast(master)
+    With ``finite`` (dynamic loss scaling) a step whose gradients are not finite keeps
+    the old parameters, Optax state and master weights. With an offloaded optimizer the
+    state streams through the device (:func:`.offload.offloaded_update`).
+    """
+    plan = state.plan
+    weights = state.master if plan.master is not None else state.params
+    if plan.offloads:
+        params, opt_state, master = offloaded_update(
+            tx, precision, plan, grads, state.opt_state, weights, finite
+        )
+    else:
+        master = view(weights, plan.master if plan.master is not None else plan.params)
+        opt_state = view(state.opt_state, plan.opt)
+        updates, opt_state = tx.update(grads, opt_state, master)
+        master = optax.apply_updates(master, updates)
+        opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
+        params = precision.cast(master)
+        if plan.master is not None:
+            master = constrain(plan, store(master, plan.master), plan.master)
+        else:
+            master = None
     if plan.partitions_opt_state and not plan.partitions_params:
         params = _all_gather_params(plan, params)
     params = constrain(plan, store(params, plan.params), plan.params)
-    if plan.master is not None:
-        master = constrain(plan, store(master, plan.master), plan.master)
-    else:
-        master = None
-    return state.replace(params=params, opt_state=opt_state, master=master)
+    new = state.replace(params=params, opt_state=opt_state, master=master)
+    if finite is not None and not plan.offloads:
+        keep = lambda new, old: jnp.where(finite, new, old)
+        new = new.replace(
+            params=jax.tree.map(keep, new.params, state.params),
+            opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
+            master=jax.tree.map(keep, new.master, state.master),
+        )
+    return new
 
 
 def _all_gather_params(plan: Plan, params: Any) -> Any:

@@ -1,0 +1,163 @@
+"""An Optax update split into a global part and one part per parameter leaf.
+
+Optax transformations are whole-tree functions. To stream an offloaded optimizer state
+through the device leaf by leaf, :func:`split_update` traces ``tx.update(grads, state,
+params)`` once and sorts its equations:
+
+- the global part reads only gradients and the state leaves no parameter owns (e.g.
+  Adam's count): constants, counters, and quantities over several leaves' gradients,
+  such as the global norm ``clip_by_global_norm`` scales by;
+- leaf i's part reads leaf i's gradient, parameter and state, and global values.
+
+The split exists when no equation combines two leaves' parameters or state (an
+equation combining gradients only moves, with its producers, to the global part).
+Adam, AdamW, SGD, Adafactor and ``clip_by_global_norm`` chained before any of them
+split; a clip of the *updates* after Adam (a norm over every leaf's moments) does not,
+and :func:`split_update` then returns one bucket holding the whole update. Evaluating the
+parts runs exactly the traced equations, so the result is the whole update's, bit for bit
+as far as XLA compiles each equation the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.extend.core import ClosedJaxpr, Literal
+
+from .plan import Plan
+
+
+class Bucket(NamedTuple):
+    """The leaves one part of the update reads and writes (indices into the flat trees)."""
+
+    params: tuple[int, ...]  # parameter (and gradient) leaves: their weights are copied in
+    opt: tuple[int, ...]  # Optax-state leaves copied in and written back
+    eqns: tuple[int, ...]  # the traced equations this part evaluates, in order
+
+
+class Split(NamedTuple):
+    """``tx.update`` traced and cut into a global part and buckets.
+
+    ``jaxpr`` takes ``(grads, opt_state, params)`` leaves and returns ``(updates,
+    opt_state)`` leaves. The ``shared`` state leaves are read by the global part and
+    written from it; every other state leaf belongs to exactly one bucket.
+    """
+
+    jaxpr: ClosedJaxpr
+    first: tuple[int, ...]  # the global part's equations, evaluated before any bucket
+    buckets: tuple[Bucket, ...]
+    shared: tuple[int, ...]  # state leaves no parameter owns (e.g. Adam's count)
+
+    @property
+    def streams(self) -> bool:
+        """Whether the update runs leaf by leaf (else one bucket holds the whole tree)."""
+        return len(self.buckets) > 1
+
+
+def _owners(tx: optax.GradientTransformation, plan: Plan, opt: Any) -> list[int] | None:
+    """Per Optax-state leaf, the parameter leaf it belongs to (-1: none); None if unknown."""
+    index = jax.tree.unflatten(plan.params_def, list(range(len(plan.params))))
+    try:  # an init that inspects its parameters' values defeats optax's placeholders
+        owners = optax.tree_map_params(
+            tx, lambda _, i: i, opt, index, transform_non_params=lambda _: -1
+        )
+    except Exception:  # noqa: BLE001 -- any failure means: ownership unknown, do not split
+        return None
+    owners = jax.tree.leaves(owners)
+    return owners if len(owners) == len(jax.tree.leaves(opt)) else None
+
+
+def _cut(jaxpr: Any, labels: list[int], hard: list[bool]) -> tuple[set[int], dict] | None:
+    """Assigns each equation to the global part or to one leaf; None if impossible.
+
+    ``labels[k]``: the leaf input k belongs to (-1: none); ``hard[k]``: it is a parameter
+    or state leaf (which must never meet another leaf's). Returns the global equations
+    and each variable's leaf (absent: global).
+    """
+    leaf: dict[Any, int] = {v: x for v, x in zip(jaxpr.invars, labels) if x >= 0}
+    is_hard = {v for v, h in zip(jaxpr.invars, hard) if h}
+    made_by: dict[Any, int] = {}
+    first: set[int] = set()
+
+    def promote(e: int) -> bool:  # e and its producers to the global part
+        if e in first:
+            return True
+        eqn = jaxpr.eqns[e]
+        if any(v in is_hard for v in eqn.outvars):
+            return False
+        first.add(e)
+        for v in eqn.outvars:
+            leaf.pop(v, None)
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        return all(promote(made_by[v]) for v in ins if v in made_by and v in leaf)
+
+    for e, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        owners = {leaf[v] for v in ins if v in leaf}
+        made_by.update(dict.fromkeys(eqn.outvars, e))
+        if len(owners) <= 1 and owners:
+            leaf.update(dict.fromkeys(eqn.outvars, owners.pop()))
+            if any(v in is_hard for v in ins):
+                is_hard.update(eqn.outvars)
+        elif not owners:
+            first.add(e)
+        else:
+            if any(v in is_hard for v in ins if v in leaf and v not in made_by):
+                return None  # two leaves' parameters or state meet
+            first.add(e)
+            if not all(promote(made_by[v]) for v in ins if v in made_by and v in leaf):
+                return None
+    return first, leaf
+
+
+@functools.lru_cache(maxsize=32)
+def split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
+    """``tx.update`` for ``plan``'s trees, cut into a global part and per-leaf buckets."""
+    params = [jax.ShapeDtypeStruct(s.layout.shape, jnp.float32) for s in plan.params]
+    opt = [jax.ShapeDtypeStruct(s.layout.shape, s.dtype) for s in plan.opt]
+    trees = jax.tree.unflatten(plan.params_def, params), jax.tree.unflatten(plan.opt_def, opt)
+    closed = jax.make_jaxpr(tx.update)(trees[0], trees[1], trees[0])
+    n, m, jaxpr = len(params), len(opt), closed.jaxpr
+    whole = Split(
+        closed, (), (Bucket(tuple(range(n)), tuple(range(m)), tuple(range(len(jaxpr.eqns)))),), ()
+    )
+    owners = _owners(tx, plan, trees[1])
+    if owners is None or n < 2:
+        return whole
+    labels = [*range(n), *owners, *range(n)]
+    hard = [False] * n + [o >= 0 for o in owners] + [True] * n
+    cut = _cut(jaxpr, labels, hard)
+    if cut is None:
+        return whole
+    first, leaf = cut
+    writes = [*range(n), *owners]  # the leaf each output belongs to (-1: shared)
+    outs = [(v, w) for v, w in zip(jaxpr.outvars, writes) if not isinstance(v, Literal)]
+    if any(v in leaf and leaf[v] != w for v, w in outs):  # e.g. a state leaf written
+        return whole  # from another leaf's values
+    eqn_leaf = [leaf.get(eqn.outvars[0]) if eqn.outvars else None for eqn in jaxpr.eqns]
+    buckets = tuple(
+        Bucket(
+            (i,),
+            tuple(j for j, o in enumerate(owners) if o == i),
+            tuple(e for e, x in enumerate(eqn_leaf) if x == i and e not in first),
+        )
+        for i in range(n)
+    )
+    shared = tuple(j for j, o in enumerate(owners) if o < 0)
+    return Split(closed, tuple(sorted(first)), buckets, shared)
+
+
+def evaluate(split: Split, eqns: tuple[int, ...], env: dict) -> None:
+    """Evaluates the given equations of ``split.jaxpr`` in order, reading and writing ``env``."""
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    for e in eqns:
+        eqn = split.jaxpr.jaxpr.eqns[e]
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(
+                *map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
+            )
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
