@@ -28,6 +28,7 @@ from jax.extend import core
 from jax.extend.core import primitives as prims
 
 from .collectives import Sharded, gather, gather_each, saves_no_gathered
+from .jaxprs import bind
 from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
 
@@ -102,11 +103,7 @@ def _run(
         elif deferred and eqn.primitive is prims.remat_p:
             outs = _checkpoint(eqn, [peek(v) for v in eqn.invars])
         else:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            outs = bind(eqn, [read(v) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 

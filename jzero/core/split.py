@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import ClosedJaxpr, Literal
 
+from .jaxprs import bind, read
 from .plan import Plan
 
 
@@ -153,11 +154,6 @@ def split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
 
 def evaluate(split: Split, eqns: tuple[int, ...], env: dict) -> None:
     """Evaluates the given equations of ``split.jaxpr`` in order, reading and writing ``env``."""
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
     for e in eqns:
         eqn = split.jaxpr.jaxpr.eqns[e]
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(
-                *map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params)
-            )
-        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+        env.update(zip(eqn.outvars, bind(eqn, [read(env, v) for v in eqn.invars])))
