@@ -79,6 +79,20 @@ def stacked_batch(width: int = 64, batch_size: int = 16) -> dict[str, jax.Array]
     }
 
 
+def regression_batches(steps: int, batch_size: int, width: int) -> list[dict[str, jax.Array]]:
+    """``steps`` batches of ``x`` [batch_size, width] ~ N(0, 1) and targets ``y`` of the
+    same shape ~ N(0, 0.25), for residual-MLP losses ``mean((f(x) - y)**2)``."""
+    keys = jax.random.split(jax.random.key(3), steps)
+    shape = (batch_size, width)
+    return [
+        {
+            "x": jax.random.normal(k, shape, jnp.float32),
+            "y": jax.random.normal(jax.random.fold_in(k, 1), shape, jnp.float32) * 0.5,
+        }
+        for k in keys
+    ]
+
+
 def make_tx(lr: float = 1e-2, *, eps: float = 1e-6, weight_decay: float | None = None):
     """Adam (AdamW with ``weight_decay``), the optimizer of the model-level parity tests.
 

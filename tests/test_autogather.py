@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from _hlo_text import all_gathers
-from _models import reference
+from _models import reference, regression_batches
 from flax import nnx
 
 import jzero
@@ -121,14 +121,7 @@ class NNXModel(nnx.Module):
 
 
 def batches(steps=STEPS):
-    keys = jax.random.split(jax.random.key(3), steps)
-    return [
-        {
-            "x": jax.random.normal(k, (B, D), jnp.float32),
-            "y": jax.random.normal(jax.random.fold_in(k, 1), (B, D), jnp.float32) * 0.5,
-        }
-        for k in keys
-    ]
+    return regression_batches(steps, B, D)
 
 
 def linen_loss(params, batch):

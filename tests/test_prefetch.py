@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from _hlo_text import all_gathers
-from _models import reference
+from _models import reference, regression_batches
 
 import jzero
 
@@ -57,14 +57,7 @@ def manual_loss(params, batch):
 
 
 def batches(steps=STEPS):
-    keys = jax.random.split(jax.random.key(3), steps)
-    return [
-        {
-            "x": jax.random.normal(k, (B, D), jnp.float32),
-            "y": jax.random.normal(jax.random.fold_in(k, 1), (B, D), jnp.float32) * 0.5,
-        }
-        for k in keys
-    ]
+    return regression_batches(steps, B, D)
 
 
 def _step(mode: str):
