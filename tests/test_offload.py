@@ -13,7 +13,9 @@ import functools
 import re
 import tempfile
 import types
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,3 +231,50 @@ def test_remat_layer_offloads_activations_never_gathered_params(stage):
     plain = _scanned_loss(lambda p, x: _layer(p, x))
     ref = reference(TXS["adam"], stacked_params(), plain, [stacked_batch()] * 3)
     assert_tree_close(results["offload"], ref.params, rtol=1e-5, atol=1e-6)
+
+
+class _Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x_BxD, _):
+        w = self.param("w", nn.initializers.normal(0.1), (x_BxD.shape[-1],) * 2)
+        return jnp.tanh(checkpoint_name(x_BxD @ w, "hidden")), None
+
+
+class _Scanned(nn.Module):
+    policy: Any = None
+
+    @nn.compact
+    def __call__(self, x_BxD):
+        block = nn.remat(_Dense, policy=self.policy, prevent_cse=False)
+        layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        return layers()(x_BxD, None)[0]
+
+
+def test_flax_nn_remat_with_an_offloading_policy_in_stage_3s_default_gathering():
+    # The default stage-3 step turns the user's nn.remat into jzero.remat_layer with the
+    # same policy: activations named "hidden" go to host memory, never a gathered weight.
+    batch = stacked_batch()
+    finals = {}
+    for name, policy in (("recompute", None), ("offload", OFFLOAD_HIDDEN)):
+        model = _Scanned(policy)
+        variables = model.init(jax.random.key(0), batch["x"])
+
+        def loss(p, b, model=model):
+            return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+        state = jzero.linen.TrainState.create(
+            apply_fn=model.apply, variables=variables, tx=TXS["adam"],
+            mesh=jzero.data_mesh(), stage=3,
+        )  # fmt: skip
+        step = state.train_step(loss)
+        if policy is not None:
+            jaxpr = str(jax.make_jaxpr(step.core)(state.zero, batch))
+            host = set(re.findall(r"f32<host>\[([\d,]*)\]", jaxpr))
+            assert host and all(s.split(",")[-2:] != ["64", "64"] for s in host), host
+        for _ in range(3):
+            state, _ = step(state, batch)
+        finals[name] = state.params
+    ref = reference(TXS["adam"], variables["params"], loss, [batch] * 3)
+    for got, want in zip(jax.tree.leaves(finals["offload"]), jax.tree.leaves(finals["recompute"])):
+        np.testing.assert_array_equal(got, want)
+    assert_tree_close(finals["offload"], ref.params, rtol=1e-5, atol=1e-6)
