@@ -1,11 +1,14 @@
 """Benchmark: ZeRO stages 0-3 and a plain-``jit`` FSDP baseline on the same GPT-style model.
 
 Trains the model of ``examples/gpt.py`` under DP (stage 0), ZeRO stages 1-3 (jzero,
-``manual_gather=True``) and ``auto_fsdp`` (``jax.jit`` with parameters and optimizer state
-given ``NamedSharding``s over 'data', XLA choosing the collectives), with the same
-initial parameters, data and ``optax.adamw``, and reports per device: model-state bytes
-(live arrays), compiled peak bytes, communication per step (optimized HLO, ring model)
-and step time, each beside docs/design.md §1's theory where there is one.
+``manual_gather=True``), three more stage-3 runs (``zero3_bucket``: ``bucket=True``, one
+flat collective per layer; ``zero3_auto``: ``manual_gather=False``, the step gathering per
+layer by itself; ``zero3_prefetch``: that with ``prefetch=True``) and ``auto_fsdp``
+(``jax.jit`` with parameters and optimizer state given ``NamedSharding``s over 'data', XLA
+choosing the collectives), with the same initial parameters, data and ``optax.adamw``,
+and reports per device: model-state bytes (live arrays), compiled peak bytes,
+communication per step (optimized HLO, ring model), collectives per step and step time,
+each beside docs/design.md §1's theory where there is one.
 
     python scripts/bench.py                        # readable table
     python scripts/bench.py --json out.json        # docs/design.md §5's JSON
@@ -14,8 +17,9 @@ and step time, each beside docs/design.md §1's theory where there is one.
     python scripts/bench.py --max-model 64MB       # largest model per stage (compile only)
 
 ``--quick`` checks only the design targets that hold at any model size (model states and
-dp/zero1/zero2 communication against theory, final losses against dp); the peak, step-time
-and zero3-communication targets need the full-size model and are skipped, saying so.
+dp/zero1/zero2 communication against theory, zero3_bucket's collectives per layer, final
+losses against dp, zero3's variants against zero3); the peak, step-time and
+zero3-communication targets need the full-size model and are skipped, saying so.
 
 Checkpoint throughput (``--checkpoint``, on by default, off under ``--quick`` unless given;
 ``--checkpoint-only`` skips the training runs): a separate GPT of at least
@@ -44,6 +48,9 @@ Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Fiel
   alive between steps): full in stages 0/1, a shard in stages 2/3; ``auto_fsdp``: a shard
   like its parameter. ``auto_fsdp``'s theory is stage 3's (it is FSDP).
 - ``peak_bytes_per_device``: argument + output + temp - alias of ``memory_analysis()``.
+- ``collectives_per_step``: the HLO collectives times their trip counts, a combined
+  (tuple-shaped) one counted once. ``options``: the run's ``train_step`` keywords
+  (``manual_gather``, ``bucket``, ``prefetch``); ``{}`` for ``auto_fsdp``.
 - Scalar all-reduces (loss mean, gradient norm) are included in the measured bytes.
 - On CPU, XLA runs 16-bit collectives in f32: measured bytes of a bf16 model are 2x.
 """
@@ -60,7 +67,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +78,13 @@ from jax.sharding import PartitionSpec as P
 
 import jzero
 from jzero import _table, report
-from jzero.accounting import collectives, comm_bytes, theory_comm_bytes, theory_model_state_bytes
+from jzero.accounting import (
+    Collective,
+    collectives,
+    comm_bytes,
+    theory_comm_bytes,
+    theory_model_state_bytes,
+)
 from jzero.accounting.estimate import transformer_activation_bytes
 from jzero.cli.units import parse_bytes
 
@@ -79,7 +92,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import data  # noqa: E402  (examples/data.py: bytes of a small public-domain corpus)
 import gpt  # noqa: E402  (examples/gpt.py)
 
-RUNS = (("dp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("auto_fsdp", 3))
+
+class Run(NamedTuple):
+    """One training run of the benchmark."""
+
+    name: str
+    stage: int  # the ZeRO stage (auto_fsdp: 3, the stage it is compared with)
+    options: dict[str, bool] | None  # jzero train_step keywords; None: the plain-jit baseline
+
+
+def _opts(*, manual_gather: bool, bucket: bool = False, prefetch: bool = False) -> dict[str, bool]:
+    return {"manual_gather": manual_gather, "bucket": bucket, "prefetch": prefetch}
+
+
+RUNS = (
+    Run("dp", 0, _opts(manual_gather=True)),
+    Run("zero1", 1, _opts(manual_gather=True)),
+    Run("zero2", 2, _opts(manual_gather=True)),
+    Run("zero3", 3, _opts(manual_gather=True)),
+    Run("zero3_bucket", 3, _opts(manual_gather=True, bucket=True)),
+    Run("zero3_auto", 3, _opts(manual_gather=False)),
+    Run("zero3_prefetch", 3, _opts(manual_gather=False, prefetch=True)),
+    Run("auto_fsdp", 3, None),
+)
+ZERO3_VARIANTS = ("zero3_bucket", "zero3_auto", "zero3_prefetch")  # checked against zero3
 COMM_KEYS = ("all-reduce", "reduce-scatter", "all-gather", "other", "total")
 
 
@@ -97,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, help="global batch (default 16; quick 16)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--steps", type=int, help="timed steps (default 20; quick 5)")
-    ap.add_argument("--runs", default=",".join(name for name, _ in RUNS), help="subset")
+    ap.add_argument("--runs", default=",".join(r.name for r in RUNS), help="subset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-devices", type=int, default=8, help="forced CPU devices")
     ap.add_argument(
@@ -125,6 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "default 128) whose compiled step fits BUDGET per device (e.g. 64MB), compiling only",
     )
     args = ap.parse_args(argv)
+    unknown = set(args.runs.split(",")) - {r.name for r in RUNS}
+    if unknown:
+        ap.error(f"--runs: unknown {sorted(unknown)}; choose from {[r.name for r in RUNS]}")
     if args.max_model is not None:
         if args.checkpoint_only or args.checkpoint or args.quick:
             ap.error("--max-model runs alone: drop --checkpoint/--checkpoint-only/--quick")
@@ -182,16 +221,26 @@ def _timed(step, carry, batches, warmup: int) -> tuple[Any, list[float], list[fl
     return carry, losses, times
 
 
-def _run_fields(name, stage, losses, times, **fields) -> dict[str, Any]:
+def _count(colls: list[Collective]) -> int:
+    """Collectives one step issues: each HLO collective times its trip count. A combined
+    (tuple-shaped) one counts once, though ``collectives`` lists one entry per array: XLA
+    merges the scalar all-reduces (loss, gradient norm) and dp's gradient all-reduces so."""
+    trips = {(c.computation, c.name): c.trip_count for c in colls}
+    return sum(trips.values())
+
+
+def _run_fields(run: Run, losses, times, **fields) -> dict[str, Any]:
     comm = {k: float(fields["comm"][k]) for k in COMM_KEYS}
     return {
-        "name": name,
-        "stage": stage,
+        "name": run.name,
+        "stage": run.stage,
+        "options": dict(run.options or {}),
         "model_state_bytes_per_device": int(fields["states"]),
         "theory_model_state_bytes_per_device": float(fields["theory_states"]),
         "peak_bytes_per_device": int(fields["peak"]),
         "comm_bytes_per_device": comm,
         "theory_comm_bytes_per_device": float(fields["theory_comm"]),
+        "collectives_per_step": _count(fields["collectives"]),
         "step_ms_median": float(statistics.median(times)),
         "steps_timed": len(times),
         "loss_first": losses[0],
@@ -199,20 +248,21 @@ def _run_fields(name, stage, losses, times, **fields) -> dict[str, Any]:
     }
 
 
-def run_zero(name, stage, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]:
-    opt = jzero.ZeroOptimizer(tx, mesh, stage=stage)
+def run_zero(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]:
+    opt = jzero.ZeroOptimizer(tx, mesh, stage=run.stage)
     state = opt.init(init_fn=init_fn)
-    step = opt.train_step(loss_fn, manual_gather=True)
+    step = opt.train_step(loss_fn, **run.options)
     rep = report(step, state, batches[0])
     _, losses, times = _timed(step, state, batches, warmup)
     return _run_fields(
-        name, stage, losses, times,
+        run, losses, times,
         states=rep.model_state_bytes, theory_states=rep.theory_model_state_bytes,
         peak=rep.peak_bytes, comm=rep.comm_bytes, theory_comm=rep.theory_comm_bytes,
+        collectives=list(rep.collectives),
     )  # fmt: skip
 
 
-def run_auto_fsdp(tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]:
+def run_auto_fsdp(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]:
     n = mesh.shape["data"]
     shard = lambda tree: jax.tree.map(lambda x: NamedSharding(mesh, _fsdp_spec(x.shape, n)), tree)
     param_shardings = shard(jax.eval_shape(init_fn))
@@ -245,12 +295,12 @@ def run_auto_fsdp(tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]
         params=psi, devices=n, stage=3, param_bytes=param_total / psi,
         grad_bytes=param_total / psi, opt_bytes=opt_total / psi,
     )  # fmt: skip
-    comm = comm_bytes(collectives(compiled.as_text()))
+    colls = collectives(compiled.as_text())
     theory_comm = theory_comm_bytes(stage=3, param_bytes_S=param_total, devices=n)
     _, losses, times = _timed(step, (params, opt_state), batches, warmup)
     return _run_fields(
-        "auto_fsdp", 3, losses, times, states=states, theory_states=theory_states,
-        peak=peak, comm=comm, theory_comm=theory_comm,
+        run, losses, times, states=states, theory_states=theory_states,
+        peak=peak, comm=comm_bytes(colls), theory_comm=theory_comm, collectives=colls,
     )  # fmt: skip
 
 
@@ -641,13 +691,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ]
     wanted = args.runs.split(",")
     runs = []
-    for name, stage in RUNS:
-        if name not in wanted:
-            continue
-        if name == "auto_fsdp":
-            runs.append(run_auto_fsdp(tx, mesh, init_fn, loss_fn, batches, args.warmup))
-        else:
-            runs.append(run_zero(name, stage, tx, mesh, init_fn, loss_fn, batches, args.warmup))
+    for run in RUNS:
+        if run.name in wanted:
+            measure = run_zero if run.options is not None else run_auto_fsdp
+            runs.append(measure(run, tx, mesh, init_fn, loss_fn, batches, args.warmup))
     name = f"gpt-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}-T{cfg.seq_len}-V{cfg.vocab_size}"
     return {
         "platform": jax.devices()[0].platform,
@@ -680,7 +727,9 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
         f"{m['name']}: {m['params']:,} params ({m['dtype']}), {result['devices']} "
         f"{result['platform']} devices, jax {result['jax']}"
     )
-    rows = [("run", "states KB", "theory", "peak KB", "comm KB", "theory", "ms/step", "loss")]
+    rows = [
+        ("run", "states KB", "theory", "peak KB", "comm KB", "theory", "colls", "ms/step", "loss")
+    ]
     for r in result["runs"]:
         rows.append((
             r["name"],
@@ -689,10 +738,11 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
             f"{r['peak_bytes_per_device'] / 1e3:,.1f}",
             f"{r['comm_bytes_per_device']['total'] / 1e3:,.1f}",
             f"{r['theory_comm_bytes_per_device'] / 1e3:,.1f}",
+            str(r["collectives_per_step"]),
             f"{r['step_ms_median']:.1f}",
             f"{r['loss_first']:.4f} -> {r['loss_last']:.6f}",
         ))  # fmt: skip
-    body = _table.table(rows, right={1, 2, 3, 4, 5, 6})
+    body = _table.table(rows, right={1, 2, 3, 4, 5, 6, 7})
     return "\n".join([head, body, "", *checks(result, quick=quick)])
 
 
@@ -702,13 +752,40 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
 # the leaves backward does not re-gather (their values are not needed: biases, LayerNorm
 # scales) take zero3's comm below theory: 0.95 at --quick's 118,528 params, and 0.67 on one
 # layer of width 32 (tests/test_bench.py), where backward re-gathers nothing.
-QUICK_TARGETS = ("states", "comm", "loss")
-QUICK_CHECKS = "states/theory (zero1-3), comm/theory (dp, zero1, zero2), final loss vs dp"
+QUICK_TARGETS = ("states", "comm", "collectives", "loss")
+QUICK_CHECKS = (
+    "states/theory (zero1-3), comm/theory (dp, zero1, zero2), zero3_bucket collectives per "
+    "layer, final loss vs dp (zero3's variants: vs zero3)"
+)
 QUICK_SKIPS = (
     "--quick skips the peak, step-time and zero3 comm targets, which hold only at scale: on a "
     "small model activations set the peak, collective latency the step time, and zero3's "
     "backward re-gathers a smaller share; run without --quick to check them"
 )
+
+
+# Bucketed stage 3 runs 3 collectives per layer (one per dtype; the GPT is fp32): the
+# forward all-gather, the backward re-gather and the gradient reduce-scatter. Outside the
+# blocks the token and position embeddings and the final LayerNorm are each gathered and
+# reduce-scattered once (not re-gathered: no remat there), and the scalars (loss, gradient
+# norm) go in one combined all-reduce: 7, at any depth and width. Per-leaf stage 3 runs
+# about 3 per leaf of a layer instead (35 per block of 12 leaves).
+BUCKET_OUTSIDE = 7
+BUCKET_TIME = 1.05  # zero3_bucket / zero3 step time: not worse, within the runs' ±5% noise
+
+
+def _bucket_checks(runs: dict[str, Any], *, layers: int) -> list[tuple[str, bool, str]]:
+    """zero3_bucket's collectives O(layers) (exact, any size) and its step time vs zero3's."""
+    if "zero3_bucket" not in runs:
+        return []
+    c = runs["zero3_bucket"]["collectives_per_step"]
+    bound = 3 * layers + BUCKET_OUTSIDE
+    text = f"zero3_bucket collectives {c} <= 3 x {layers} layers + {BUCKET_OUTSIDE}"
+    found = [("collectives", c <= bound, text)]
+    if "zero3" in runs:
+        t = runs["zero3_bucket"]["step_ms_median"] / runs["zero3"]["step_ms_median"]
+        found.append(("time", t <= BUCKET_TIME, f"zero3_bucket time / zero3 {t:.3f} <= 1.05"))
+    return found
 
 
 def checks(result: dict[str, Any], *, quick: bool = False) -> list[str]:
@@ -736,17 +813,19 @@ def checks(result: dict[str, Any], *, quick: bool = False) -> list[str]:
             if name in runs:
                 t = runs[name]["step_ms_median"] / dp["step_ms_median"]
                 found.append(("time", t <= 1.10, f"{name} time / dp {t:.3f} <= 1.10"))
-        for name, r in runs.items():
-            if name != "dp":
-                d = abs(r["loss_last"] - dp["loss_last"]) / abs(dp["loss_last"])
-                # fp32 rounding of a few-step run, summed in another order
-                found.append(("loss", d <= 1e-5, f"{name} final loss rel. diff vs dp {d:.2e}"))
+    for name, r in runs.items():  # zero3's variants against zero3, the rest against dp
+        base = "zero3" if name in ZERO3_VARIANTS else "dp"
+        if name != base and base in runs:
+            d = abs(r["loss_last"] - runs[base]["loss_last"]) / abs(runs[base]["loss_last"])
+            # fp32 rounding of a few-step run, summed in another order
+            found.append(("loss", d <= 1e-5, f"{name} final loss rel. diff vs {base} {d:.2e}"))
     if "zero3" in runs and "auto_fsdp" in runs:
         z, a = runs["zero3"], runs["auto_fsdp"]
         t = z["step_ms_median"] / a["step_ms_median"]
         p = z["peak_bytes_per_device"] / a["peak_bytes_per_device"]
         found.append(("time", t <= 1.0, f"zero3 time / auto_fsdp {t:.3f} <= 1"))
         found.append(("peak", p <= 1.0, f"zero3 peak / auto_fsdp {p:.3f} <= 1"))
+    found += _bucket_checks(runs, layers=result["model"]["layers"])
     lines = [
         f"{'PASS' if ok else 'FAIL'} {text}"
         for target, ok, text in found
