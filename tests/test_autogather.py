@@ -23,6 +23,7 @@ from _models import reference, regression_batches
 from flax import nnx
 
 import jzero
+from jzero.accounting import collectives
 
 N, L, D, H, B, STEPS = 8, 8, 256, 1024, 64, 3  # the 8 x (256x1024, 1024x256) model
 LAYER = 2 * D * H  # parameters per layer
@@ -226,6 +227,40 @@ def test_a_stack_sharded_along_its_layers_axis_is_gathered_whole_and_exact():
     assert all_gathers(step.lower(state, batches(1)[0]).compile(), (L,)) >= 1
     ref = reference(TX(), params, loss, batches(2))
     for batch, want in zip(batches(2), ref.losses):
+        state, metrics = step(state, batch)
+        np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_parameter_used_inside_and_outside_a_jit_is_gathered_and_reduced_once():
+    # A tied embedding: looked up inside a jitted function, used again as the output
+    # head outside it. One gather (and one reduce-scatter) of it per pass, not one per use.
+    V = 64
+
+    @jax.jit
+    def embed(table_VxD, tokens_B):
+        return table_VxD[tokens_B]
+
+    def loss(params, batch):
+        x_BxD, _ = jax.lax.scan(
+            lambda x, p: (mlp(p, x), None), embed(params["table"], batch["tokens"]),
+            params["layers"],
+        )  # fmt: skip
+        logits_BxV = x_BxD @ params["table"].T
+        logp_BxV = jax.nn.log_softmax(logits_BxV)
+        return -jnp.mean(jnp.take_along_axis(logp_BxV, batch["tokens"][:, None], axis=1))
+
+    params = stacked_params() | {"table": jax.random.normal(jax.random.key(5), (V, D)) / 16}
+    batch = {"tokens": jax.random.randint(jax.random.key(6), (B,), 0, V)}
+    opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=3)
+    state = opt.init(params)
+    step = opt.train_step(loss)
+    hlo = step.lower(state, batch).compile().as_text()
+    scatters = [c for c in collectives(hlo) if c.kind == "reduce-scatter" and V in c.shape]
+    assert sum(c.trip_count for c in scatters) == 1
+    ref = reference(TX(), params, loss, [batch] * 2)
+    for want in ref.losses:
         state, metrics = step(state, batch)
         np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):

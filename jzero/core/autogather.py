@@ -35,10 +35,17 @@ from .remat import remat_layer
 
 class _Deferred:
     """A parameter not gathered yet: its :class:`Sharded` handle (a whole leaf, or one
-    scanned layer of a stacked leaf)."""
+    scanned layer of a stacked leaf), gathered once on first use wherever that is: an
+    inlined ``jit`` body has an environment of its own, and a tied embedding used inside
+    and outside one must still be gathered (and its gradient reduce-scattered) once."""
 
     def __init__(self, handle: Sharded):
-        self.handle = handle
+        self.handle, self._full = handle, None
+
+    def full(self) -> Any:
+        if self._full is None:
+            self._full = self.handle.gather()
+        return self._full
 
 
 def gather_where_used(fn: Callable[..., Any], *, prefetch: bool = False) -> Callable[..., Any]:
@@ -87,7 +94,7 @@ def _run(
     def read(v: Any) -> Any:
         x = peek(v)
         if isinstance(x, _Deferred):  # first use that needs the full value: gather it here
-            x = env[v] = x.handle.gather()
+            x = env[v] = x.full()
         return x
 
     for eqn in jaxpr.eqns:
