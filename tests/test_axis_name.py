@@ -53,11 +53,11 @@ def linen_loss(model: nn.Module):
     return loss_fn
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_linen_batchnorm_named_batch_matches_single_device_full_batch(stage):
+def linen_case(mesh, stage: int, steps: int):
+    """(train state, batches, single-device reference) for the Linen ConvNet. The oracle:
+    one device, the whole batch, no axis name: full-batch statistics."""
     variables = ConvNet().init(jax.random.key(0), image_batches(1)[0]["x"][:2])
-    tx, batches = make_tx(1e-2), image_batches(2)
-    # Oracle: one device, the whole batch, no axis name: full-batch statistics.
+    tx, batches = make_tx(1e-2), image_batches(steps)
     ref = reference(
         tx,
         variables["params"],
@@ -65,10 +65,15 @@ def test_linen_batchnorm_named_batch_matches_single_device_full_batch(stage):
         batches,
         model_state={"batch_stats": variables["batch_stats"]},
     )
-
     state = jzero.linen.TrainState.create(
-        apply_fn=ConvNet().apply, variables=variables, tx=tx, mesh=jzero.data_mesh(), stage=stage
+        apply_fn=ConvNet().apply, variables=variables, tx=tx, mesh=mesh, stage=stage
     )
+    return state, batches, ref
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_linen_batchnorm_named_batch_matches_single_device_full_batch(stage):
+    state, batches, ref = linen_case(jzero.data_mesh(), stage, steps=2)
     step = state.train_step(linen_loss(ConvNet()), axis_name="batch")
     for batch, want in zip(batches, ref.losses):
         state, metrics = step(state, batch)
@@ -80,18 +85,7 @@ def test_linen_batchnorm_named_batch_matches_single_device_full_batch(stage):
 
 
 def test_hybrid_mesh_maps_the_name_onto_replica_and_data():
-    variables = ConvNet().init(jax.random.key(0), image_batches(1)[0]["x"][:2])
-    tx, batches = make_tx(1e-2), image_batches(1)
-    ref = reference(
-        tx,
-        variables["params"],
-        linen_loss(ConvNet(axis_name=None)),
-        batches,
-        model_state={"batch_stats": variables["batch_stats"]},
-    )
-    state = jzero.linen.TrainState.create(
-        apply_fn=ConvNet().apply, variables=variables, tx=tx, mesh=jzero.hybrid_mesh(2), stage=3
-    )
+    state, batches, ref = linen_case(jzero.hybrid_mesh(2), 3, steps=1)
     state, _ = state.train_step(linen_loss(ConvNet()), axis_name="batch")(state, batches[0])
     assert_tree_close(state.model_state, ref.model_state, rtol=1e-6, atol=1e-7)
     assert_tree_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
