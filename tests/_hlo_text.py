@@ -26,3 +26,17 @@ def all_gathers(compiled, shape: tuple[int, ...]) -> int:
         for c in collectives(compiled.as_text())
         if c.kind == "all-gather" and c.shape == shape
     )
+
+
+def assert_gathered_per_layer(per_layer, whole, *, blocks, others, layers: int) -> None:
+    """``per_layer`` (a compiled stage-3 step with ``layers=``) all-gathers each of the
+    blocks' kernel shapes ``blocks`` once per layer in forward and again in backward, and
+    each of ``others`` once; its temp memory is below ``whole``'s (no ``layers=``)."""
+    for shape in blocks:
+        assert all_gathers(per_layer, shape) == 2 * layers, shape
+    for shape in others:
+        assert all_gathers(per_layer, shape) == 1, shape
+    temp = per_layer.memory_analysis().temp_size_in_bytes
+    temp_whole = whole.memory_analysis().temp_size_in_bytes
+    print(f"stage-3 temp: layers=Block {temp} B, without layers= {temp_whole} B")
+    assert temp < temp_whole, (temp, temp_whole)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _hlo_text import all_gathers
+from _hlo_text import assert_gathered_per_layer
 from _models import assert_tree_close, make_tx, reference
 
 import jzero
@@ -93,16 +93,10 @@ def test_layers_matches_single_device_optax(stage):
 
 
 def test_stage3_layers_gather_each_block_twice_and_lower_temp():
-    per_layer = compiled_stage3(layers=Block)
-    whole = compiled_stage3()
-    for shape in [(D, H), (H, D)]:  # the blocks' kernels: forward, then backward again
-        assert all_gathers(per_layer, shape) == 2 * LAYERS, shape
-    for shape in [(IN, D), (D, OUT)]:  # outside the blocks: gathered once
-        assert all_gathers(per_layer, shape) == 1, shape
-    temp = per_layer.memory_analysis().temp_size_in_bytes
-    temp_whole = whole.memory_analysis().temp_size_in_bytes
-    print(f"stage-3 temp: layers=Block {temp} B, without layers= {temp_whole} B")
-    assert temp < temp_whole, (temp, temp_whole)
+    assert_gathered_per_layer(
+        compiled_stage3(layers=Block), compiled_stage3(),
+        blocks=[(D, H), (H, D)], others=[(IN, D), (D, OUT)], layers=LAYERS,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", [Block(), "Block", jnp.tanh, (Block, 3), int])
