@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from pathlib import Path
 
 import _models
 import jax
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _lm import LM_STEPS, final, lm_losses
 from _models import (
     awkward_batches,
     awkward_loss,
@@ -35,10 +34,6 @@ from jzero.accounting import collectives, comm_bytes
 from jzero.core.collectives import all_gather
 from jzero.core.layout import leaf_layout
 from jzero.core.quantize import Quant, dequantize, quantize, quantized_all_gather
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import data  # noqa: E402
-import gpt  # noqa: E402
 
 N = 8
 INT8 = jzero.Precision(gather_quant="int8")
@@ -235,33 +230,13 @@ def test_quantized_gathers_below_stage_3_are_refused():
         step(opt.init(stacked_params()), stacked_batch())
 
 
-LM = gpt.GPTConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2)
-LM_STEPS, LM_LAST = 200, 20  # the final loss: the mean of the last LM_LAST steps' losses
-
-
-@functools.cache
-def _lm_losses(gather_quant) -> list[float]:
-    opt = jzero.ZeroOptimizer(
-        optax.adamw(1e-2, weight_decay=0.1),
-        jzero.data_mesh(),
-        stage=3,
-        precision=jzero.Precision(gather_quant=gather_quant),
-        min_shard_size=1,
-    )
-    state = opt.init(init_fn=functools.partial(gpt.init_params, LM, jax.random.key(0)))
-    step = opt.train_step(gpt.make_loss_fn(LM), manual_gather=True)
-    batches = data.batches(data.load_corpus(), batch_size=16, seq_len=LM.seq_len, seed=0)
-    losses = []
-    for _ in range(LM_STEPS):
-        state, metrics = step(state, next(batches))
-        losses.append(float(metrics["loss"]))
-    return losses
+ADAMW = optax.adamw(1e-2, weight_decay=0.1)
 
 
 @pytest.mark.slow
 def test_example_lm_trains_within_5_percent_of_unquantized():
-    exact, quantized = _lm_losses(None), _lm_losses("int8")
-    final = lambda losses: float(np.mean(losses[-LM_LAST:]))
+    exact = lm_losses(ADAMW, jzero.Precision())
+    quantized = lm_losses(ADAMW, INT8)
     assert final(exact) < 0.7 * exact[0]  # it learned something
     assert abs(final(quantized) - final(exact)) <= 0.05 * final(exact)
     print(f"example LM, {LM_STEPS} steps: final loss {final(exact):.4f} exact, "

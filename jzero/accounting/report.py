@@ -35,6 +35,11 @@ QUANT_NOTE = (
     "the s8 all-gathers (and their f32 scales) are stage 3's quantized parameter gathers "
     "(Precision.gather_quant); the theory counts every gather in the parameters' dtype."
 )
+GRAD_QUANT_NOTE = (
+    "the s8/u8 all-to-alls (and their f32 scales) are quantized gradient reduce-scatters "
+    "(Precision.grad_quant; u8 holds two int4 values); the theory counts them as "
+    "reduce-scatters in the reduce dtype."
+)
 
 
 def _ratio(measured: float, theory: float) -> float | None:
@@ -264,6 +269,8 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     notes = (CPU_NOTE,) if on_cpu and min(itemsizes, default=4) < 4 else ()
     if any(c.kind == "all-gather" and c.dtype in ("s8", "u8", "s4", "u4") for c in colls):
         notes += (QUANT_NOTE,)
+    if any(c.kind == "all-to-all" and c.dtype in ("s8", "u8") for c in colls):
+        notes += (GRAD_QUANT_NOTE,)
     return Report(
         stage=plan.stage,
         devices=n,

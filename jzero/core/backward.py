@@ -35,6 +35,7 @@ from .layout import LeafLayout
 from .mesh import DATA, REPLICA
 from .plan import Plan
 from .precision import Precision
+from .quantize import Quant
 from .weighted import Weighted
 
 
@@ -77,6 +78,12 @@ def local_grads(
             f"parameter all-gathers, but stage {plan.stage} gathers no parameters; use "
             "stage=3, or leave gather_quant=None."
         )
+    if precision.grad_quant is not None and plan.stage == 0:
+        raise ValueError(
+            f"Precision(grad_quant={precision.grad_quant!r}) quantizes the gradient "
+            "reduce-scatters of stages 1-3, but stage 0 all-reduces its gradients; use "
+            "stage=1, 2 or 3, or leave grad_quant=None."
+        )
     axes = plan.batch_axes  # 'data', or ('replica', 'data') when hybrid
 
     def varying(x: jax.Array) -> jax.Array:
@@ -108,11 +115,14 @@ def local_grads(
             sink = lambda lay: varying(jnp.zeros(_local_shape(lay), reduce_dtype))
             diff = [sink(lay) if lay.sharded else varying(x) for x, lay in zip(leaves, lays)]
             gathers, quant = plan.partitions_params, precision.gather_quantizer
+            grad_quant = precision.grad_quantizer
             if plan.hybrid:  # varying over 'replica' like the batch, so that the
                 # cotangent reaching the handle is this device's alone (no implicit psum)
                 leaves = [jax.lax.pcast(x, REPLICA, to="varying") for x in leaves]
             wrap = lambda d: [
-                Sharded(s, x, lay, gathers=gathers, bucket=bucket, quant=quant)
+                Sharded(
+                    s, x, lay, gathers=gathers, bucket=bucket, quant=quant, grad_quant=grad_quant
+                )
                 if lay.sharded
                 else s
                 for s, x, lay in zip(d, leaves, lays)
@@ -166,7 +176,8 @@ def local_grads(
         if plan.partitions_opt_state and not plan.partitions_grads:
             # P_os alone: the whole local gradient exists before any of it is reduced
             grads = after(grads, [g.reshape(-1)[:1] for g in grads])
-        grads = [_reduce(plan, g.astype(reduce_dtype), lay) for g, lay in zip(grads, lays)]
+        quant = precision.grad_quantizer
+        grads = [_reduce(plan, g.astype(reduce_dtype), lay, quant) for g, lay in zip(grads, lays)]
         model_state = jax.tree.map(lambda x: _agree(x, axes), model_state)
         aux = jax.tree.map(lambda x: _agree_aux(x, axes), aux)
         if isinstance(loss, Weighted):
@@ -202,13 +213,14 @@ def _agree_aux(x: jax.Array, axes) -> jax.Array:
     return jax.lax.psum(x, axes)
 
 
-def _reduce(plan: Plan, g: jax.Array, lay: LeafLayout) -> jax.Array:
-    """Sum over the data group (all-reduce, or this device's reduce-scattered shard), then,
-    when hybrid, across replicas: an all-reduce of what the data group left on the device."""
+def _reduce(plan: Plan, g: jax.Array, lay: LeafLayout, quant: Quant | None) -> jax.Array:
+    """Sum over the data group (all-reduce, or this device's reduce-scattered shard, sent
+    quantized with ``quant``), then, when hybrid, across replicas: an all-reduce of what
+    the data group left on the device."""
     if not lay.sharded:
         g = jax.lax.psum(g, DATA)  # stage 0, and small replicated leaves
     elif not plan.partitions_grads:
-        g = reduce_scatter(g, lay)  # P_os: once, after backward
+        g = reduce_scatter(g, lay, quant)  # P_os: once, after backward
     # stages 2/3: reduce-scattered already, inside backward
     if plan.hybrid:
         g = jax.lax.psum(g, REPLICA)

@@ -60,15 +60,28 @@ def all_gather_flat(
     return out
 
 
-def reduce_scatter_flat(grads: Sequence[jax.Array], layouts: Sequence[LeafLayout]) -> list:
+def reduce_scatter_flat(
+    grads: Sequence[jax.Array],
+    layouts: Sequence[LeafLayout],
+    *,
+    rows_sum: Callable[[jax.Array, list[int]], jax.Array] | None = None,
+) -> list:
     """Local full gradients (one dtype) -> this device's shards of their sums over devices,
-    in one reduce-scatter."""
+    in one reduce-scatter.
+
+    ``rows_sum``: every device's ``[N, total]`` (row j: what device j owns) and each
+    leaf's elements in a row -> this device's ``[total]`` summed, in place of the plain
+    reduce-scatter (:mod:`.quantize` sends it quantized).
+    """
     padded = [pad(g, lay) for g, lay in zip(grads, layouts)]
     axes = [lay.axis(g) for g, lay in zip(padded, layouts)]
     moved = [_front(g, a) for g, a in zip(padded, axes)]
     n = jax.lax.axis_size(DATA)
     rows = jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1)  # [N, total]
-    flat = jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=False)
+    if rows_sum is None:
+        flat = jax.lax.psum_scatter(rows, DATA, scatter_dimension=0, tiled=False)
+    else:
+        flat = rows_sum(rows, [math.prod(m.shape) // n for m in moved])
     out, start = [], 0
     for m, a in zip(moved, axes):
         shard_shape = (m.shape[0] // n, *m.shape[1:])

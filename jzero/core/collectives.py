@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from .buckets import all_gather_flat, reduce_scatter_flat
 from .layout import LeafLayout, pad
 from .mesh import DATA
-from .quantize import Quant, quantized_all_gather
+from .quantize import Quant, quantized_all_gather, quantized_reduce_scatter
 
 GATHERED = "jzero_gathered"
 """``checkpoint_name`` of every gathered parameter, so remat policies can refuse to save
@@ -112,22 +112,38 @@ def all_gather(shard: jax.Array, layout: LeafLayout) -> jax.Array:
     return checkpoint_name(full, GATHERED)
 
 
-def reduce_scatter(grad: jax.Array, layout: LeafLayout) -> jax.Array:
-    """Local full gradient -> this device's shard of the sum over devices."""
+def reduce_scatter(grad: jax.Array, layout: LeafLayout, quant: Quant | None = None) -> jax.Array:
+    """Local full gradient -> this device's shard of the sum over devices (``quant``: sent
+    quantized, :func:`.quantize.quantized_reduce_scatter`)."""
+    if quant is not None:
+        return quantized_reduce_scatter([grad], [layout], quant=quant)[0]
     return jax.lax.psum_scatter(
         pad(grad, layout), DATA, scatter_dimension=layout.axis(grad), tiled=True
     )
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def scatter_flat(grads: list, layouts: Any, quant: Quant | None) -> list:
+    """:func:`.buckets.reduce_scatter_flat`, or its quantized form with ``quant``."""
+    if quant is not None:
+        return quantized_reduce_scatter(grads, layouts, quant=quant)
+    return reduce_scatter_flat(grads, layouts)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _use(
-    sink, value, layout: LeafLayout, gathers: bool, reduce_dtype: Any, quant: Quant | None
+    sink,
+    value,
+    layout: LeafLayout,
+    gathers: bool,
+    reduce_dtype: Any,
+    quant: Quant | None,
+    grad_quant: Quant | None,
 ) -> jax.Array:
     """``gathers`` (stage 3): all-gather the shard ``value`` (``quant``: quantized,
     :mod:`.quantize`); otherwise (stage 2) use the local full copy ``value``. Either way
-    the backward pass reduce-scatters the cotangent, in ``reduce_dtype`` and never
-    quantized, into ``sink``."""
-    del sink
+    the backward pass reduce-scatters the cotangent, in ``reduce_dtype`` (``grad_quant``:
+    quantized), into ``sink``."""
+    del sink, grad_quant
     if gathers and quant is not None:
         return checkpoint_name(quantized_all_gather([value], [layout], quant=quant)[0], GATHERED)
     if gathers:
@@ -135,24 +151,31 @@ def _use(
     return jax.lax.pcast(value, DATA, to="varying")
 
 
-def _use_fwd(sink, value, layout, gathers, reduce_dtype, quant):
-    return _use(sink, value, layout, gathers, reduce_dtype, quant), None
+def _use_fwd(sink, value, layout, gathers, reduce_dtype, quant, grad_quant):
+    return _use(sink, value, layout, gathers, reduce_dtype, quant, grad_quant), None
 
 
-def _use_bwd(layout, gathers, reduce_dtype, quant, _, ct):
-    return reduce_scatter(ct.astype(reduce_dtype), layout), None
+def _use_bwd(layout, gathers, reduce_dtype, quant, grad_quant, _, ct):
+    return reduce_scatter(ct.astype(reduce_dtype), layout, grad_quant), None
 
 
 _use.defvjp(_use_fwd, _use_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _use_bucket(
-    sinks, values, layouts, gathers: bool, reduce_dtype: Any, quant: Quant | None
+    sinks,
+    values,
+    layouts,
+    gathers: bool,
+    reduce_dtype: Any,
+    quant: Quant | None,
+    grad_quant: Quant | None,
 ) -> list:
     """:func:`_use` for several leaves of one dtype, as one flat all-gather (``gathers``;
-    ``quant``: quantized) and, in backward, one flat reduce-scatter (:mod:`.buckets`)."""
-    del sinks
+    ``quant``: quantized) and, in backward, one flat reduce-scatter (:mod:`.buckets`;
+    ``grad_quant``: quantized)."""
+    del sinks, grad_quant
     if gathers and quant is not None:
         full = quantized_all_gather(values, layouts, quant=quant)
         return [checkpoint_name(x, GATHERED) for x in full]
@@ -161,12 +184,12 @@ def _use_bucket(
     return [jax.lax.pcast(x, DATA, to="varying") for x in values]
 
 
-def _use_bucket_fwd(sinks, values, layouts, gathers, reduce_dtype, quant):
-    return _use_bucket(sinks, values, layouts, gathers, reduce_dtype, quant), None
+def _use_bucket_fwd(sinks, values, layouts, gathers, reduce_dtype, quant, grad_quant):
+    return _use_bucket(sinks, values, layouts, gathers, reduce_dtype, quant, grad_quant), None
 
 
-def _use_bucket_bwd(layouts, gathers, reduce_dtype, quant, _, cts):
-    grads = reduce_scatter_flat([ct.astype(reduce_dtype) for ct in cts], layouts)
+def _use_bucket_bwd(layouts, gathers, reduce_dtype, quant, grad_quant, _, cts):
+    grads = scatter_flat([ct.astype(reduce_dtype) for ct in cts], layouts, grad_quant)
     return grads, [None] * len(grads)
 
 
@@ -189,8 +212,9 @@ class Sharded:
         bucket: whether :func:`gather` sends this leaf with the others of its call (a
             layer) in one flat collective per dtype; static, the step's ``bucket``.
         quant: with ``gathers``, how the all-gather is quantized (:class:`.quantize.Quant`,
-            from ``Precision.gather_quant``), or None; static. The backward
-            reduce-scatter is never quantized.
+            from ``Precision.gather_quant``), or None; static.
+        grad_quant: how the backward reduce-scatter is quantized (from
+            ``Precision.grad_quant``), or None; static.
     """
 
     def __init__(
@@ -202,21 +226,29 @@ class Sharded:
         gathers: bool,
         bucket: bool = False,
         quant: Quant | None = None,
+        grad_quant: Quant | None = None,
     ):
         self.sink, self.value, self.layout = sink, value, layout
-        self.gathers, self.bucket, self.quant = gathers, bucket, quant
+        self.gathers, self.bucket = gathers, bucket
+        self.quant, self.grad_quant = quant, grad_quant
 
     def tree_flatten(self):
-        return (self.sink, self.value), (self.layout, self.gathers, self.bucket, self.quant)
+        aux = (self.layout, self.gathers, self.bucket, self.quant, self.grad_quant)
+        return (self.sink, self.value), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        layout, gathers, bucket, quant = aux
-        return cls(*children, layout, gathers=gathers, bucket=bucket, quant=quant)
+        layout, gathers, bucket, quant, grad_quant = aux
+        return cls(
+            *children, layout, gathers=gathers, bucket=bucket, quant=quant, grad_quant=grad_quant
+        )
 
     def gather(self) -> jax.Array:
         """This leaf alone: one all-gather (stage 3), one reduce-scatter in backward."""
-        return _use(self.sink, self.value, self.layout, self.gathers, self.sink.dtype, self.quant)
+        return _use(
+            self.sink, self.value, self.layout, self.gathers, self.sink.dtype, self.quant,
+            self.grad_quant,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         quant = f", quant={self.quant}" if self.quant is not None else ""
@@ -236,13 +268,13 @@ def _gather_leaves(leaves: list) -> list:
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(leaves):
         if _is_sharded(x) and x.bucket:
-            key = (x.gathers, jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype), x.quant)
-            groups.setdefault(key, []).append(i)
-    for (gathers, _, reduce_dtype, quant), idx in groups.items():
+            dtypes = (jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype))
+            groups.setdefault((x.gathers, *dtypes, x.quant, x.grad_quant), []).append(i)
+    for (gathers, _, reduce_dtype, quant, grad_quant), idx in groups.items():
         hs = [leaves[i] for i in idx]
         full = _use_bucket(
             [h.sink for h in hs], [h.value for h in hs], tuple(h.layout for h in hs),
-            gathers, reduce_dtype, quant,
+            gathers, reduce_dtype, quant, grad_quant,
         )  # fmt: skip
         for i, x in zip(idx, full):
             out[i] = x

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .quantize import GATHER_QUANTS, Quant
+from .quantize import GATHER_QUANTS, GRAD_QUANTS, Quant
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -49,7 +49,15 @@ class Precision:
             absmax/254 of its block. Gradients are those at the dequantized parameters,
             reduce-scattered unquantized in ``reduce_dtype``. None: gathered exactly.
             Only stage 3 gathers parameters; other stages refuse it.
-        quant_block: elements per fp32 scale of a quantized gather (a positive int).
+        grad_quant: ``'int8'`` or ``'int4'``: stages 1-3 reduce-scatter their gradients
+            quantized (ZeRO++'s qgZ): each device quantizes the part of its gradient each
+            other device owns, with one fp32 scale per block of ``quant_block`` elements,
+            sends it in one all-to-all, and the owner dequantizes and sums the N parts in
+            fp32 (:mod:`jzero.core.quantize`). Each device's contribution is off by at most
+            absmax/254 (int8) or absmax/14 (int4) of its block. None: reduced exactly in
+            ``reduce_dtype``. Stage 0 (all-reduce) refuses it.
+        quant_block: elements per fp32 scale of a quantized gather or reduce-scatter (a
+            positive int; even for ``grad_quant='int4'``, which packs two values a byte).
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=2,
@@ -64,6 +72,7 @@ class Precision:
     initial_loss_scale: float = 2.0**15
     growth_interval: int = 2000
     gather_quant: Literal["int8"] | None = None
+    grad_quant: Literal["int8", "int4"] | None = None
     quant_block: int = 256
 
     def __post_init__(self):
@@ -84,11 +93,22 @@ class Precision:
                 f"Precision.gather_quant must be None or {allowed}, got "
                 f"{self.gather_quant!r}; e.g. Precision(gather_quant='int8')."
             )
+        if self.grad_quant is not None and self.grad_quant not in GRAD_QUANTS:
+            allowed = " or ".join(repr(q) for q in GRAD_QUANTS)
+            raise ValueError(
+                f"Precision.grad_quant must be None or {allowed}, got {self.grad_quant!r}; "
+                "e.g. Precision(grad_quant='int8')."
+            )
         block = self.quant_block
         if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 1:
             raise ValueError(
                 f"Precision.quant_block must be a positive int (elements per fp32 scale), "
                 f"got {block!r}; e.g. Precision(gather_quant='int8', quant_block=256)."
+            )
+        if self.grad_quant == "int4" and block % 2:
+            raise ValueError(
+                f"Precision.quant_block must be even with grad_quant='int4' (two 4-bit "
+                f"values share a byte), got {block}; e.g. quant_block=256."
             )
         object.__setattr__(self, "quant_block", int(block))
 
@@ -103,6 +123,13 @@ class Precision:
         if self.gather_quant is None:
             return None
         return Quant(self.gather_quant, self.quant_block)
+
+    @property
+    def grad_quantizer(self) -> Quant | None:
+        """How gradient reduce-scatters are quantized; None: they are exact."""
+        if self.grad_quant is None:
+            return None
+        return Quant(self.grad_quant, self.quant_block)
 
     def cast(self, tree: Any, dtype: Any = None) -> Any:
         """Floating leaves of ``tree`` (arrays or shapes) to ``dtype`` (default ``param_dtype``)."""

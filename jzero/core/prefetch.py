@@ -25,9 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .buckets import all_gather_flat, reduce_scatter_flat
-from .collectives import Sharded, after, all_gather, reduce_scatter
-from .quantize import Quant, quantized_all_gather
+from .buckets import all_gather_flat
+from .collectives import Sharded, after, all_gather, reduce_scatter, scatter_flat
+from .quantize import quantized_all_gather
 
 Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
 """``step(consts, carry, params, x) -> (carry, y)``: one layer, ``params`` gathered."""
@@ -45,10 +45,12 @@ def prefetched_scan(
     """
     layouts = tuple(h.layout for h in handles)
     bucket = any(h.bucket for h in handles)
-    quant = next((h.quant for h in handles), None)  # the step's, the same for every handle
+    # the step's, the same for every handle
+    quant = next((h.quant for h in handles), None)
+    grad_quant = next((h.grad_quant for h in handles), None)
     dtypes = tuple(h.sink.dtype for h in handles)  # each gradient's reduce dtype
     return _layers(
-        step, layouts, (bucket, quant), dtypes, length, reverse, consts, init,
+        step, layouts, (bucket, quant, grad_quant), dtypes, length, reverse, consts, init,
         [h.sink for h in handles], [h.value for h in handles], xs,
     )  # fmt: skip
 
@@ -62,11 +64,10 @@ def _at(tree: Any, i: Any) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _gather(
-    values: list, layouts: tuple, how: tuple[bool, Quant | None], i: Any, dep: Any = None
-) -> list:
-    """Layer ``i``'s parameters gathered; ``how``: (bucketed, quantized as)."""
-    bucket, quant = how
+def _gather(values: list, layouts: tuple, how: tuple, i: Any, dep: Any = None) -> list:
+    """Layer ``i``'s parameters gathered; ``how``: (bucketed, quantized as, gradients
+    quantized as)."""
+    bucket, quant, _ = how
     shards = [jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False) for v in values]
     if dep is not None:
         shards = after(shards, dep)
@@ -79,12 +80,12 @@ def _gather(
     return [all_gather(s, lay) for s, lay in zip(shards, layouts)]
 
 
-def _scatter(grads: list, layouts: tuple, how: tuple[bool, Quant | None], dtypes: list) -> list:
-    bucket, _ = how  # reduce-scatters are never quantized
+def _scatter(grads: list, layouts: tuple, how: tuple, dtypes: list) -> list:
+    bucket, _, grad_quant = how
     grads = [g.astype(d) for g, d in zip(grads, dtypes)]
     if bucket:
-        return reduce_scatter_flat(grads, layouts)
-    return [reduce_scatter(g, lay) for g, lay in zip(grads, layouts)]
+        return scatter_flat(grads, layouts, grad_quant)
+    return [reduce_scatter(g, lay, grad_quant) for g, lay in zip(grads, layouts)]
 
 
 def _stack_last(looped: Any, last: Any, flip: bool) -> Any:

@@ -1,13 +1,15 @@
-"""Quantized all-gathers of stage 3's parameters (ZeRO++'s qwZ): int8 with blockwise scales.
+"""Quantized collectives (ZeRO++): stage 3's parameter all-gathers (qwZ) and the gradient
+reduce-scatters (qgZ), int8 (or int4) with blockwise fp32 scales.
 
-Each device quantizes its own shard before sending it and every device dequantizes what it
-receives. Each leaf's shard (one layer's slice of a stacked leaf, when stage 3 gathers per layer)
-is flattened and cut into equal blocks of at most ``block`` elements (the last padded
-with zeros), and a bucket (:mod:`.buckets`) sends its leaves' blocks together; each
-block is sent as int8 values ``round(x / scale)`` with one fp32 ``scale = absmax / 127``
-(symmetric absmax quantization). So the wire carries 1 byte per element plus 4 bytes per
-block: ``0.25 + 4 / block`` of fp32's volume, ``0.5 + 8 / block`` of bf16's (0.266 and
-0.531 at ``block=256``), in two all-gathers (the int8 payload and the scales).
+**qwZ.** Each device quantizes its own shard before sending it and every device
+dequantizes what it receives. Each leaf's shard (one layer's slice of a stacked leaf, when
+stage 3 gathers per layer) is flattened and cut into equal blocks of at most ``block``
+elements (the last padded with zeros), and a bucket (:mod:`.buckets`) sends its leaves'
+blocks together; each block is sent as int8 values ``round(x / scale)`` with one fp32
+``scale = absmax / 127`` (symmetric absmax quantization). So the wire carries 1 byte per
+element plus 4 bytes per block: ``0.25 + 4 / block`` of fp32's volume, ``0.5 + 8 / block``
+of bf16's (0.266 and 0.531 at ``block=256``), in two all-gathers (the int8 payload and the
+scales).
 
 Error: rounding to the nearest step of ``absmax / 127`` moves an element by at most
 ``absmax / 254`` of its block (|x - x̂| <= scale / 2). For N(0, 1) values in blocks of 256
@@ -15,11 +17,22 @@ the relative L2 error ``|x - x̂| / |x|`` of a gathered weight is about 7e-3
 (``tests/test_quantized_gather.py`` measures it); smaller blocks lower it (and send more
 scales). Zeros (the layout's padding, all-zero blocks) are exact. Values are dequantized
 in fp32 and cast to the parameter dtype, so with bf16 parameters bf16's own rounding adds
-to it. A block holding an inf or NaN dequantizes to NaN throughout.
+to it. A block holding an inf or NaN dequantizes to non-finite values throughout.
 
 Gradient: straight-through. Quantization happens inside jzero's gather (a ``custom_vjp``
-whose backward reduce-scatters the cotangent, unquantized, in the reduce dtype), so the
-gradient a step gets is exactly the gradient of the loss at the dequantized parameters.
+whose backward reduce-scatters the cotangent in the reduce dtype), so the gradient a step
+gets is exactly the gradient of the loss at the dequantized parameters.
+
+**qgZ.** A reduce-scatter's message is ``[N, total]``, row j the part device j owns. Each
+device quantizes every row (each leaf's segment in blocks of its own; int8 with
+``absmax / 127``, or int4 with ``absmax / 7``, two values packed a byte), sends row j to
+device j in one all-to-all (with the fp32 scales in a second), and each owner dequantizes
+the N parts it receives and sums them in fp32: 0.25 + 4 / block (int8) or 0.125 + 4 /
+block (int4) of fp32's volume. Each part is quantized once (no re-quantized partial
+sums), with stochastic rounding: unbiased, so errors average out over devices and steps
+instead of adding up, and within one step, ``absmax / 127`` (int8) or ``absmax / 7``
+(int4) of its block, per device. The dither is a hash of each value, its position and
+the device index (:func:`_uniform`): reproducible, no PRNG state.
 """
 
 from __future__ import annotations
@@ -33,12 +46,14 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from .buckets import all_gather_flat
+from .buckets import all_gather_flat, reduce_scatter_flat
 from .layout import LeafLayout
 from .mesh import DATA
 
 GATHER_QUANTS = ("int8",)
 """The values ``Precision.gather_quant`` accepts besides None."""
+GRAD_QUANTS = ("int8", "int4")
+"""The values ``Precision.grad_quant`` accepts besides None."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,31 +61,76 @@ class Quant:
     """How a parameter all-gather is quantized (static: hashable, part of the trace).
 
     Attributes:
-        dtype: the wire dtype of the values; only ``'int8'``.
+        dtype: the wire dtype of the values: ``'int8'``, or ``'int4'`` (gradients only).
         block: at most this many consecutive elements share one fp32 scale.
     """
 
-    dtype: Literal["int8"] = "int8"
+    dtype: Literal["int8", "int4"] = "int8"
     block: int = 256
 
 
-def _blocks(total: int, block: int) -> tuple[int, int]:
-    """(number of blocks, elements per block): the fewest equal blocks of <= ``block``."""
+def _levels(dtype: str) -> int:
+    """The largest magnitude a quantized value takes: 127 (int8) or 7 (int4)."""
+    return 7 if dtype == "int4" else 127
+
+
+def _blocks(total: int, block: int, *, even: bool = False) -> tuple[int, int]:
+    """(number of blocks, elements per block): the fewest equal blocks of <= ``block``
+    (``even``: an even number of elements, rounded up, for int4's two values a byte)."""
     count = max(-(-total // block), 1)
-    return count, max(-(-total // count), 1)
+    size = max(-(-total // count), 1)
+    return count, size + (size % 2 if even else 0)
 
 
-def quantize(flat: jax.Array, *, block: int) -> tuple[jax.Array, jax.Array]:
-    """A flat vector -> (int8 values [blocks, size], fp32 scales [blocks]).
+def _uniform(x: jax.Array, salt: jax.Array) -> jax.Array:
+    """A value in [0, 1) per element, hashed from its bits, position and ``salt``: the
+    dither of stochastic rounding, reproducible (no PRNG state) and new whenever the
+    values change."""
+    h = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    h = h ^ (jax.lax.broadcasted_iota(jnp.uint32, x.shape, x.ndim - 1) * jnp.uint32(0x9E3779B9))
+    for i in range(x.ndim - 1):
+        h = h ^ (jax.lax.broadcasted_iota(jnp.uint32, x.shape, i) * jnp.uint32(0x85EBCA6B + 2 * i))
+    h = h ^ salt.astype(jnp.uint32) * jnp.uint32(0xC2B2AE35)
+    h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
+    h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
-    Symmetric absmax per block; ``dequantize`` inverts it to within ``scale / 2``.
+
+def quantize(
+    x: jax.Array, *, block: int, dtype: str = "int8", salt: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``[..., n]`` -> (int8 values ``[..., blocks, size]``, fp32 scales ``[..., blocks]``).
+
+    Symmetric absmax per block of the last axis, to ``dtype``'s levels (the int4 values
+    still one per int8; :func:`pack_int4` halves them). Rounded to nearest,
+    ``dequantize`` inverts it to within ``scale / 2``; with a ``salt`` (an unsigned int),
+    stochastically (up with probability the fractional part, dithered by
+    :func:`_uniform`): within ``scale``, and unbiased.
     """
-    count, size = _blocks(flat.size, block)
-    x = jnp.pad(flat.astype(jnp.float32), (0, count * size - flat.size)).reshape(count, size)
-    scale = jnp.max(jnp.abs(x), axis=1) / 127
+    n, levels = x.shape[-1], _levels(dtype)
+    count, size = _blocks(n, block, even=dtype == "int4")
+    x = x.astype(jnp.float32)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, count * size - n)])
+    x = x.reshape(*x.shape[:-1], count, size)
+    scale = jnp.max(jnp.abs(x), axis=-1) / levels
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))  # an all-zero block stays 0
-    q = jnp.clip(jnp.round(x / safe[:, None]), -127, 127).astype(jnp.int8)
+    y = x / safe[..., None]
+    y = jnp.round(y) if salt is None else jnp.floor(y + _uniform(x, salt))
+    q = jnp.clip(y, -levels, levels).astype(jnp.int8)
     return q, scale
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """int8 values in [-7, 7], last axis even -> uint8 bytes holding two each (half the size)."""
+    u = (q + 8).astype(jnp.uint8).reshape(*q.shape[:-1], -1, 2)
+    return u[..., 0] | (u[..., 1] << 4)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """:func:`pack_int4`'s bytes -> the int8 values."""
+    pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], -1).astype(jnp.int8) - 8
 
 
 def dequantize(q: jax.Array, scale: jax.Array, *, size: int, dtype: jnp.dtype) -> jax.Array:
@@ -114,3 +174,49 @@ def quantized_all_gather(
     sizes = [math.prod(x.shape) for x in shards]
     rows = lambda flat: _quantized_rows(flat, sizes=sizes, quant=quant)
     return all_gather_flat(shards, layouts, rows_of=rows)
+
+
+def _quantized_sum(rows: jax.Array, *, sizes: Sequence[int], quant: Quant) -> jax.Array:
+    """Every device's ``[N, total]`` (row j: the part device j owns) -> this device's
+    ``[total]``: the sum over devices, each part sent quantized in one all-to-all.
+
+    Each leaf's segment of a row (``sizes``) has blocks of its own. The owner dequantizes
+    the N parts it receives and sums them in fp32, so each device's part is quantized
+    once and the sum adds no rounding of its own beyond fp32's.
+    """
+    bounds = list(itertools.accumulate(sizes))[:-1]
+    salt = jax.lax.axis_index(DATA)  # devices holding equal values round them independently
+    parts = [
+        quantize(seg, block=quant.block, dtype=quant.dtype, salt=salt)
+        for seg in jnp.split(rows, bounds, axis=1)
+    ]
+    n = rows.shape[0]
+    send = [q if quant.dtype == "int8" else pack_int4(q) for q, _ in parts]
+    payload = jnp.concatenate([x.reshape(n, -1) for x in send], axis=1)
+    scales = jnp.concatenate([scale for _, scale in parts], axis=1)
+    payload = jax.lax.all_to_all(payload, DATA, 0, 0, tiled=True)  # [N, ...] s8 / u8
+    scales = jax.lax.all_to_all(scales, DATA, 0, 0, tiled=True)  # [N, blocks] f32
+    out, p_at, s_at = [], 0, 0
+    for (q, _), x, size in zip(parts, send, sizes):
+        count, per = q.shape[1:]
+        width = math.prod(x.shape[1:])
+        got = payload[:, p_at : p_at + width].reshape(n, count, -1)
+        got = got if quant.dtype == "int8" else unpack_int4(got)
+        part = dequantize(got, scales[:, s_at : s_at + count], size=size, dtype=jnp.float32)
+        out.append(part.sum(axis=0))
+        p_at, s_at = p_at + width, s_at + count
+    return jnp.concatenate(out).astype(rows.dtype)
+
+
+def quantized_reduce_scatter(
+    grads: Sequence[jax.Array], layouts: Sequence[LeafLayout], *, quant: Quant
+) -> list[jax.Array]:
+    """Local full gradients (one dtype) -> this device's shards of their sums over devices
+    (ZeRO++'s qgZ).
+
+    As :func:`jzero.core.buckets.reduce_scatter_flat`, the ``psum_scatter`` replaced by an
+    all-to-all of int8 (or packed int4) blocks and their fp32 scales, summed in fp32 by
+    each part's owner.
+    """
+    rows_sum = lambda rows, sizes: _quantized_sum(rows, sizes=sizes, quant=quant)
+    return reduce_scatter_flat(grads, layouts, rows_sum=rows_sum)
