@@ -5,6 +5,7 @@
     python examples/train_lm.py --checkpoint-dir runs/ckpt --save-every 100
     python examples/train_lm.py --checkpoint-dir runs/ckpt --resume     # after an interruption
     bash scripts/launch_local.sh 2 python examples/train_lm.py            # 2 processes x 4 CPUs
+    python examples/train_lm.py --offload --grad-quant int8   # ZeRO-Offload + ZeRO++ qgZ
     python examples/train_lm.py --deepspeed-config examples/deepspeed/zero2_fp16.json
 
 Without a GPU/TPU the script forces ``--cpu-devices`` CPU devices (default 8) so that the
@@ -18,9 +19,14 @@ With ``--checkpoint-dir`` it saves a :class:`jzero.Checkpointer` checkpoint ever
 ``--save-every`` steps and after the last; ``--resume`` continues from the newest valid one
 (at any stage or device count) exactly where it was: step, data position and loss curve.
 
+``--offload`` keeps the sharded optimizer state and fp32 master weights in pinned host
+memory (``ZeroOptimizer(offload="optimizer")``), ``--grad-quant int8|int4`` reduce-scatters
+the gradients quantized (``Precision(grad_quant=...)``, ZeRO++ qgZ); both need stage 1-3.
+
 With ``--deepspeed-config PATH`` a DeepSpeed JSON config (``jzero.from_deepspeed_config``)
-sets the stage, the precision, the optimizer with its schedule and clipping, and the batch
-size and micro-batches when it has them; a flag for one of those given as well is refused.
+sets the stage, the precision (gradient quantization included), the offload, the optimizer
+with its schedule and clipping, and the batch size and micro-batches when it has them; a
+flag for one of those given as well is refused.
 
 Under ``scripts/launch_local.sh N`` (or any launcher that sets ``JZERO_NUM_PROCESSES``)
 every process runs this script; ``devices.setup_devices`` joins them into one run over
@@ -72,6 +78,8 @@ RUN_FLAGS = ("seed", "batch_size", "seq_len", "val_fraction", "steps", "lr")
 DEEPSPEED_FLAGS = {
     "stage": "zero_optimization.stage",
     "precision": '"fp16" / "bf16"',
+    "offload": "zero_optimization.offload_optimizer",
+    "grad_quant": "zero_optimization.zero_quantized_gradients",
     "lr": '"optimizer" / "scheduler"',
     "batch_size": "train_batch_size / train_micro_batch_size_per_gpu",
     "grad_accum": "gradient_accumulation_steps",
@@ -101,6 +109,19 @@ def make_parser() -> argparse.ArgumentParser:
         "reduction; fp16 adds dynamic loss scaling",
     )
     p.add_argument("--grad-accum", type=positive_int, default=1, help="K micro-batches per step")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="keep the sharded optimizer state and fp32 master weights in pinned host memory "
+        "(ZeRO-Offload; stages 1-3)",
+    )
+    p.add_argument(
+        "--grad-quant",
+        choices=["int8", "int4"],
+        default=None,
+        help="reduce-scatter the gradients quantized, with one fp32 scale per block (ZeRO++ "
+        "qgZ; stages 1-3)",
+    )
     p.add_argument("--d-model", type=positive_int, default=128)
     p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--heads", type=positive_int, default=4)
@@ -150,16 +171,17 @@ def make_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="a DeepSpeed JSON config (e.g. examples/deepspeed/zero2_fp16.json); it replaces "
-        "--stage, --precision, --lr (with its optimizer/scheduler), --batch-size and "
-        "--grad-accum (with its batch sizes)",
+        "--stage, --precision, --offload, --grad-quant, --lr (with its optimizer/scheduler), "
+        "--batch-size and --grad-accum (with its batch sizes)",
     )
     return p
 
 
 def apply_deepspeed_config(parser, args, argv, n_devices: int):
-    """Reads ``--deepspeed-config`` into ``args`` (stage, precision name, batch size, grad
-    accum) and returns its :class:`jzero.config.DeepSpeedOptions`. Refuses a flag that the
-    config sets too, and a config whose batch sizes do not fit ``n_devices``."""
+    """Reads ``--deepspeed-config`` into ``args`` (stage, precision name, offload, gradient
+    quantization, batch size, grad accum) and returns its
+    :class:`jzero.config.DeepSpeedOptions`. Refuses a flag that the config sets too, and a
+    config whose batch sizes do not fit ``n_devices``."""
     path = args.deepspeed_config
     try:
         ds = jzero.from_deepspeed_config(path)
@@ -167,7 +189,7 @@ def apply_deepspeed_config(parser, args, argv, n_devices: int):
         batch = ds.batch_sizes(data_parallel_size=n_devices) if has_batch else None
     except (OSError, ValueError) as e:
         parser.error(f"--deepspeed-config {path}: {e}")
-    sets = {"stage", "precision"}
+    sets = {"stage", "precision", "offload", "grad_quant"}
     sets |= {"lr"} if ds.learning_rate is not None else set()
     sets |= {"batch_size", "grad_accum"} if has_batch else set()
     sets |= {"grad_accum"} if ds.grad_accum is not None else set()
@@ -180,7 +202,8 @@ def apply_deepspeed_config(parser, args, argv, n_devices: int):
             f"{flag} and --deepspeed-config both set it ({DEEPSPEED_FLAGS[name]} in {path}); "
             f"drop {flag} or edit the config"
         )
-    args.stage = ds.stage
+    args.stage, args.offload = ds.stage, ds.offload is not None
+    args.grad_quant = ds.precision.grad_quant
     args.precision = {"float16": "fp16", "bfloat16": "bf16"}.get(
         ds.precision.param_dtype.name, "fp32"
     )
@@ -189,6 +212,34 @@ def apply_deepspeed_config(parser, args, argv, n_devices: int):
     elif ds.grad_accum is not None:
         args.grad_accum = ds.grad_accum
     return ds
+
+
+def run_precision(args, ds=None) -> jzero.Precision:
+    """``--precision`` with ``--grad-quant``, or the DeepSpeed config's precision."""
+    if ds is not None:
+        return ds.precision
+    return dataclasses.replace(PRECISIONS[args.precision], grad_quant=args.grad_quant)
+
+
+def make_optimizer(args, mesh, ds=None):
+    """The run's :class:`jzero.ZeroOptimizer` and learning-rate schedule: AdamW with warmup
+    and cosine decay from the flags, or the DeepSpeed config's optimizer (else AdamW on its
+    schedule) with its clipping, stage, precision and offload."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps
+    )
+    if ds is None:
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+        offload = "optimizer" if args.offload else None
+        opt = jzero.ZeroOptimizer(
+            tx, mesh, stage=args.stage, precision=run_precision(args), offload=offload
+        )
+        return opt, schedule
+    if ds.learning_rate is not None:
+        lr = ds.learning_rate
+        schedule = lr if callable(lr) else optax.constant_schedule(lr)
+    own = None if ds.tx is not None else optax.adamw(schedule, weight_decay=0.1)
+    return ds.optimizer(mesh, tx=own), schedule
 
 
 def make_logger(out: Path) -> logging.Logger:
@@ -214,12 +265,13 @@ def layout_summary(state: jzero.ZeroState) -> str:
     p_sharded = sum(lay.sharded for lay in plan.layouts)
     o_sharded = sum(lay.sharded for lay in plan.opt_layouts)
     mib = lambda b: f"{b / 2**20:.2f} MiB"
+    where = " in pinned host memory" if plan.offloads else ""
     return (
         f"stage {plan.stage} on {plan.data_size} devices: "
         f"params {p_sharded}/{len(plan.layouts)} leaves sharded, "
         f"{mib(tree_bytes_per_device(state.params))} per device; "
         f"optimizer state {o_sharded}/{len(plan.opt_layouts)} leaves sharded, "
-        f"{mib(tree_bytes_per_device(state.opt_state))} per device"
+        f"{mib(tree_bytes_per_device(state.opt_state))} per device{where}"
     )
 
 
@@ -360,6 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     ds = None
     if args.deepspeed_config is not None:
         ds = apply_deepspeed_config(parser, args, argv, len(devices))
+    if args.stage == 0 and args.offload:
+        parser.error(
+            "--offload needs --stage 1, 2 or 3: at stage 0 every device holds the whole "
+            "optimizer state"
+        )
+    if args.stage == 0 and args.grad_quant is not None:
+        parser.error(
+            f"--grad-quant {args.grad_quant} needs --stage 1, 2 or 3: it quantizes their "
+            "gradient reduce-scatter, and stage 0 all-reduces"
+        )
     # Each device takes batch-size / devices rows, split again into grad-accum micro-batches.
     n, k = len(devices), args.grad_accum
     if args.batch_size % (n * k):
@@ -416,7 +478,7 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds=None) -> int:
     log.info("args %s", vars(args))
 
     # ---------------------------------------------------------------- model and data
-    precision = PRECISIONS[args.precision] if ds is None else ds.precision
+    precision = run_precision(args, ds)
     cfg = gpt.GPTConfig(
         seq_len=args.seq_len,
         d_model=args.d_model,
@@ -430,18 +492,7 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds=None) -> int:
 
     # ---------------------------------------------------------------- jzero
     mesh = jzero.data_mesh(devices)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps
-    )
-    if ds is None:
-        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-        opt = jzero.ZeroOptimizer(tx, mesh, stage=args.stage, precision=precision)
-    else:  # the config's optimizer, or AdamW on its schedule; its clipping, stage, precision
-        if ds.learning_rate is not None:
-            lr = ds.learning_rate
-            schedule = lr if callable(lr) else optax.constant_schedule(lr)
-        own = None if ds.tx is not None else optax.adamw(schedule, weight_decay=0.1)
-        opt = ds.optimizer(mesh, tx=own)
+    opt, schedule = make_optimizer(args, mesh, ds)
     # init_fn runs under jit with sharded outputs: in stage 3 no device holds the whole model.
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
     shapes = jax.eval_shape(init_fn)

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import train_lm  # noqa: E402
 
 EXAMPLES = {
-    name: ROOT / "examples" / "deepspeed" / f"{name}.json" for name in ("zero2_fp16", "zero3")
+    name: ROOT / "examples" / "deepspeed" / f"{name}.json"
+    for name in ("zero2_fp16", "zero3", "zero3_offload")
 }
 
 
@@ -77,6 +78,23 @@ def test_zero3_example_maps_to_its_options():
     assert ds.min_shard_size == zero["stage3_param_persistence_threshold"] + 1
     micro, n = cfg["train_micro_batch_size_per_gpu"], jax.device_count()
     assert ds.batch_sizes(data_parallel_size=n) == BatchSizes(micro * n, micro, 1)
+    assert ds.offload is None
+
+
+def test_zero3_offload_example_is_zero3_with_the_optimizer_in_host_memory():
+    cfg, zero3 = example("zero3_offload"), example("zero3")
+    zero = cfg["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert cfg == {**zero3, "zero_optimization": {**zero3["zero_optimization"], **zero}}
+    with pytest.warns(DeepSpeedConfigWarning) as record:
+        ds = jzero.from_deepspeed_config(EXAMPLES["zero3_offload"])
+    assert "offload_optimizer" not in str(record[0].message)  # pin_memory: what jzero does
+    with pytest.warns(DeepSpeedConfigWarning):
+        plain = jzero.from_deepspeed_config(EXAMPLES["zero3"])
+    assert ds.offload == "optimizer" and plain.offload is None
+    assert (ds.stage, ds.precision, ds.min_shard_size) == (3, plain.precision, plain.min_shard_size)
+    opt = ds.optimizer(jzero.data_mesh())
+    assert opt.offload == "optimizer" and opt.plan(_models.awkward_params()).offloads
 
 
 # ------------------------------------------------------------------ optimizer and clipping
@@ -336,14 +354,13 @@ def test_unknown_key_is_named_with_the_accepted_ones(config, path):
     ("config", "path"),
     [
         (
-            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-            "zero_optimization.offload_optimizer.device = 'cpu'",
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+            "zero_optimization.offload_optimizer.device = 'nvme'",
         ),
         (
             {"zero_optimization": {"offload_param": {"device": "nvme"}}},
             "zero_optimization.offload_param.device = 'nvme'",
         ),
-        ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload = True"),
         ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale = 128.0"),
         (
             {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
@@ -568,6 +585,15 @@ def test_main_job_trains_with_example_config(name, tmp_path, capsys):
             ["--batch-size", "16"],
             "--batch-size and --deepspeed-config both set it (train_batch_size",
         ),
+        (
+            ["--offload"],
+            "--offload and --deepspeed-config both set it (zero_optimization.offload_optimizer in ",
+        ),
+        (
+            ["--grad-quant", "int8"],
+            "--grad-quant and --deepspeed-config both set it "
+            "(zero_optimization.zero_quantized_gradients in ",
+        ),
     ],
 )
 def test_main_job_refuses_a_flag_the_config_sets(flags, error, tmp_path, capsys):
@@ -599,15 +625,186 @@ def test_main_job_refuses_a_config_that_does_not_fit(tmp_path, capsys):
     )
 
 
-def test_zero_plus_plus_quantized_weights_map_to_int8_gathers():
-    ds = jzero.from_deepspeed_config(
-        {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
-    )
-    assert ds.stage == 3 and ds.precision.gather_quant == "int8"
-    for key, value in [("zero_quantized_gradients", True), ("zero_hpz_partition_size", 8)]:
-        with pytest.raises(ValueError, match=key):
-            jzero.from_deepspeed_config({"zero_optimization": {"stage": 3, key: value}})
-    with pytest.raises(ValueError, match="zero_quantized_weights"):
-        jzero.from_deepspeed_config(
-            {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}
+def test_main_job_takes_offload_and_gradient_quantization_from_the_config(tmp_path):
+    cfg = example("zero3_offload")
+    cfg["zero_optimization"]["zero_quantized_gradients"] = True
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    parser, argv = train_lm.make_parser(), ["--deepspeed-config", str(path)]
+    args = parser.parse_args(argv)
+    with pytest.warns(DeepSpeedConfigWarning):
+        ds = train_lm.apply_deepspeed_config(parser, args, argv, jax.device_count())
+    assert (args.stage, args.offload, args.grad_quant) == (3, True, "int8")
+    opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
+    assert (opt.stage, opt.offload, opt.precision) == (3, "optimizer", ds.precision)
+    assert opt.precision.grad_quant == "int8"
+
+
+# ------------------------------------------------------------------ offload and ZeRO++
+
+OFFLOADED = {  # zero_optimization keys that offload the optimizer state to the CPU
+    "cpu": {"offload_optimizer": {"device": "cpu"}},
+    "pinned": {"offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    "cpu_offload": {"cpu_offload": True},  # DeepSpeed's older spelling
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(OFFLOADED))
+def test_optimizer_offload_to_the_cpu_is_offload_optimizer(stage, name):
+    ds = load({"zero_optimization": {"stage": stage, **OFFLOADED[name]}})
+    assert (ds.stage, ds.offload) == (stage, "optimizer")
+    opt = ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
+    assert (opt.stage, opt.offload) == (stage, "optimizer")
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {},
+        {"stage": 2, "offload_optimizer": {"device": "none"}},
+        {"stage": 2, "cpu_offload": False, "offload_param": {"device": "none"}},
+    ],
+)
+def test_nothing_is_offloaded_without_a_cpu_device(zero):
+    assert load({"zero_optimization": zero}).offload is None
+
+
+def test_offload_knobs_are_warned_with_why():
+    offload = {"device": "cpu", "pin_memory": False, "buffer_count": 4, "ratio": 0.5}
+    with pytest.warns(DeepSpeedConfigWarning) as record:
+        ds = jzero.from_deepspeed_config(
+            {
+                "zero_force_ds_cpu_optimizer": True,
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {**offload, "fast_init": True},
+                    "round_robin_gradients": True,
+                },
+            }
         )
+    assert ds.offload == "optimizer"
+    (warning,) = record
+    at = "zero_optimization.offload_optimizer"
+    nvme = "it configures NVMe offload; jzero offloads to host memory only"
+    assert set(str(warning.message).splitlines()[1:]) == {
+        "  zero_force_ds_cpu_optimizer: jzero has no CPU optimizer: an offloaded optimizer "
+        "state is updated on the accelerator",
+        "  zero_optimization.round_robin_gradients: it spreads DeepSpeed's copies of the "
+        "gradients to CPU memory over the ranks; jzero keeps gradients on the accelerator "
+        "(offload moves the optimizer state only)",
+        f"  {at}.pin_memory: jzero always keeps offloaded state in pinned (page-locked) host "
+        "memory",
+        f"  {at}.buffer_count: {nvme}",
+        f"  {at}.fast_init: {nvme}",
+        f"  {at}.ratio: jzero offloads all of the optimizer state (ratio 1)",
+    }
+
+
+def test_offload_keys_without_a_cpu_device_are_warned_as_unused():
+    with pytest.warns(DeepSpeedConfigWarning) as record:
+        ds = jzero.from_deepspeed_config(
+            {"zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True}}}
+        )
+    assert ds.offload is None
+    (warning,) = record
+    assert str(warning.message).splitlines()[1:] == [
+        '  zero_optimization.offload_optimizer.pin_memory: nothing is offloaded ("device": "none")'
+    ]
+
+
+STAGES_1_TO_3 = (
+    "optimizer offload needs stage 1, 2 or 3 (as in DeepSpeed): at stage 0 every device holds "
+    "the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3."
+)
+
+
+@pytest.mark.parametrize(
+    ("zero", "error"),
+    [
+        (
+            {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+            f"zero_optimization.offload_optimizer.device = 'cpu': {STAGES_1_TO_3}",
+        ),
+        ({"cpu_offload": True}, f"zero_optimization.cpu_offload = True: {STAGES_1_TO_3}"),
+        (
+            {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}},
+            "zero_optimization.cpu_offload = True: it is DeepSpeed's older spelling of "
+            "offload_optimizer; keep offload_optimizer alone (DeepSpeed refuses the two "
+            "together too).",
+        ),
+        (
+            {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}},
+            "zero_optimization.offload_optimizer.device = 'nvme': jzero offloads to pinned host "
+            'memory only, not to NVMe (ZeRO-Infinity). Use "device": "cpu" to keep the '
+            'optimizer state in host memory, or "none".',
+        ),
+        (
+            {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}},
+            "zero_optimization.offload_param.device = 'cpu': jzero does not offload "
+            "parameters: they stay on the accelerator (sharded at stage 3). Offload the "
+            'optimizer state instead (offload_optimizer: {"device": "cpu"}), or use '
+            '"device": "none".',
+        ),
+        (
+            {"zero_quantized_gradients": True},
+            "zero_optimization.zero_quantized_gradients = True: it quantizes the gradient "
+            "reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 all-reduces whole "
+            "gradients; use stage 1, 2 or 3.",
+        ),
+        (
+            {"stage": 2, "zero_quantized_weights": True},
+            "zero_optimization.zero_quantized_weights = True: it quantizes stage 3's "
+            "all-gathers; use stage 3.",
+        ),
+        (
+            {"stage": 3, "zero_hpz_partition_size": 8},
+            "zero_optimization.zero_hpz_partition_size = 8: jzero has no secondary partition "
+            "(ZeRO++ hpZ)",
+        ),
+    ],
+)
+def test_offload_and_zero_plus_plus_refusals_say_why(zero, error):
+    with pytest.raises(ValueError, match=f"^DeepSpeed config: {re.escape(error)}"):
+        load({"zero_optimization": zero})
+
+
+def test_zero_plus_plus_quantized_weights_map_to_int8_gathers():
+    ds = load({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
+    assert ds.stage == 3 and ds.precision == jzero.Precision(gather_quant="int8")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_plus_plus_quantized_gradients_map_to_int8_reduce_scatters(stage):
+    ds = load({"zero_optimization": {"stage": stage, "zero_quantized_gradients": True}})
+    assert ds.stage == stage and ds.precision == jzero.Precision(grad_quant="int8")
+    opt = ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
+    assert opt.precision.grad_quant == "int8"
+
+
+def test_zero_plus_plus_weights_and_gradients_together():
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+    ds = load({"bf16": {"enabled": True}, "zero_optimization": zero})
+    assert ds.precision == jzero.Precision(
+        param_dtype=jnp.bfloat16, gather_quant="int8", grad_quant="int8"
+    )
+
+
+def test_optimizer_offloaded_by_the_config_trains_as_single_device_optax():
+    ds = load(
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        }
+    )
+    opt = ds.optimizer(jzero.data_mesh())
+    params, batches = _models.awkward_params(), _models.awkward_batches(3)
+    state = opt.init(params)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
+    step = opt.train_step(_models.awkward_loss)
+    for batch in batches:
+        state, _ = step(state, batch)
+    ref = _models.reference(ds.tx, params, _models.awkward_loss, batches)
+    full = opt.full_state(state)
+    _models.assert_tree_close(full.params, ref.params, rtol=1e-6, atol=1e-6)
+    _models.assert_tree_close(full.opt_state, ref.opt_state, rtol=1e-6, atol=1e-6)

@@ -1,6 +1,7 @@
 """The GPT example under jzero: every stage matches plain single-device Optax; the script runs."""
 
 import contextlib
+import dataclasses
 import functools
 import io
 import os
@@ -170,6 +171,16 @@ def test_trend_says_what_happened(first, last, line):
             "--save-every needs --checkpoint-dir DIR, where the checkpoints go",
         ),
         (["--save-every", "0"], "argument --save-every: 0 is not a positive integer"),
+        (
+            ["--stage", "0", "--offload"],
+            "--offload needs --stage 1, 2 or 3: at stage 0 every device holds the whole "
+            "optimizer state",
+        ),
+        (
+            ["--stage", "0", "--grad-quant", "int4"],
+            "--grad-quant int4 needs --stage 1, 2 or 3: it quantizes their gradient "
+            "reduce-scatter, and stage 0 all-reduces",
+        ),
     ],
 )
 def test_train_lm_refuses_bad_flags_up_front(tmp_path, capsys, args, error):
@@ -178,6 +189,40 @@ def test_train_lm_refuses_bad_flags_up_front(tmp_path, capsys, args, error):
     assert exit_info.value.code == 2  # argparse's usage error: one line, no traceback
     assert capsys.readouterr().err.splitlines()[-1].endswith(f" error: {error}")
     assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize(
+    ("flags", "offload", "grad_quant"),
+    [
+        ([], None, None),
+        (["--offload"], "optimizer", None),
+        (["--grad-quant", "int4", "--precision", "bf16"], None, "int4"),
+        (["--stage", "1", "--offload", "--grad-quant", "int8"], "optimizer", "int8"),
+    ],
+)
+def test_train_lm_flags_build_the_optimizer(flags, offload, grad_quant):
+    args = train_lm.make_parser().parse_args(flags)
+    opt, _ = train_lm.make_optimizer(args, jzero.data_mesh())
+    assert (opt.stage, opt.offload) == (args.stage, offload)
+    precision = train_lm.PRECISIONS[args.precision]
+    assert opt.precision == dataclasses.replace(precision, grad_quant=grad_quant)
+
+
+def test_train_lm_script_runs_with_the_optimizer_offloaded(tmp_path, capsys):
+    steps = 3
+    argv = [*TINY, "--stage", "2", "--offload", "--steps", str(steps), "--eval-every", "3"]
+    with standard():
+        assert train_lm.main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    layout = re.search(r"^stage 2 on 8 devices: .*optimizer state .* per device(.*)$", out, re.M)
+    assert layout.group(1) == " in pinned host memory"
+    # jzero.report: every byte of the optimizer state is in host memory.
+    opt_bytes = re.search(r"^optimizer state +([\d,]+)$", out, re.M).group(1)
+    assert re.search(r"^  in pinned_host +([\d,]+)$", out, re.M).group(1) == opt_bytes
+    log = (tmp_path / "train.log").read_text()
+    assert "'offload': True" in log
+    losses = [float(x) for x in re.findall(r"step \d+ loss (\S+)", log)]
+    assert len(losses) == steps and all(np.isfinite(losses))
 
 
 # ------------------------------------------------------------------ checkpoints and resume

@@ -3,8 +3,8 @@
 Every key is looked up in a table (this module's ``TOP``; the ZeRO section's, the
 optimizer's, the schedulers' and precision's in their modules): honoured keys become options,
 keys that change nothing in jzero are listed in one :class:`DeepSpeedConfigWarning` with
-why, and unknown keys or keys jzero cannot honour (offloading, Lamb, a fixed loss scale...)
-raise a ``ValueError`` naming the key.
+why, and unknown keys or keys jzero cannot honour (offloading to NVMe or offloading
+parameters, Lamb, a fixed loss scale...) raise a ``ValueError`` naming the key.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import pathlib
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import optax
 from jax.sharding import Mesh
@@ -54,7 +54,9 @@ TOP = {
         default=1.0, no_effect="jzero divides after reducing", matches=(1.0,)
     ),
     "zero_allow_untested_optimizer": no_effect("jzero runs any Optax transformation"),
-    "zero_force_ds_cpu_optimizer": no_effect("nothing is offloaded to CPU"),
+    "zero_force_ds_cpu_optimizer": no_effect(
+        "jzero has no CPU optimizer: an offloaded optimizer state is updated on the accelerator"
+    ),
     "activation_checkpointing": no_effect(
         "jzero leaves the model as it is; use jax.checkpoint or jzero.remat_layer in it"
     ),
@@ -84,7 +86,12 @@ class DeepSpeedOptions:
 
     Attributes:
         stage: ``zero_optimization.stage`` (DeepSpeed's default 0).
-        precision: from ``fp16`` / ``bf16`` / ``communication_data_type``.
+        precision: from ``fp16`` / ``bf16`` / ``communication_data_type``, with
+            ``gather_quant="int8"`` for ``zero_quantized_weights`` and ``grad_quant="int8"``
+            for ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
+        offload: ``"optimizer"`` for ``offload_optimizer`` ``{"device": "cpu"}`` (or
+            ``cpu_offload``): the optimizer state and fp32 master weights rest in pinned host
+            memory (``ZeroOptimizer(offload=...)``); None otherwise.
         tx: the ``optimizer`` with its ``scheduler``, after ``gradient_clipping``; None
             without an ``optimizer``.
         learning_rate: the ``scheduler`` as an Optax schedule, else the optimizer's lr;
@@ -100,6 +107,7 @@ class DeepSpeedOptions:
 
     stage: Stage
     precision: Precision
+    offload: Literal["optimizer"] | None
     tx: optax.GradientTransformation | None
     learning_rate: optax.ScalarOrSchedule | None
     gradient_clipping: float
@@ -146,7 +154,7 @@ class DeepSpeedOptions:
         tx: optax.GradientTransformation | None = None,
         param_specs: Any = None,
     ) -> ZeroOptimizer:
-        """A :class:`jzero.ZeroOptimizer` with the config's stage, precision and
+        """A :class:`jzero.ZeroOptimizer` with the config's stage, precision, offload and
         ``min_shard_size``, around ``self.tx``, or around ``tx`` (after the config's
         clipping) when the config has no ``optimizer``."""
         if (tx is None) == (self.tx is None):
@@ -158,7 +166,13 @@ class DeepSpeedOptions:
         tx = self.tx if tx is None else clipped(self.gradient_clipping, tx)
         extra = {} if self.min_shard_size is None else {"min_shard_size": self.min_shard_size}
         return ZeroOptimizer(
-            tx, mesh, stage=self.stage, precision=self.precision, param_specs=param_specs, **extra
+            tx,
+            mesh,
+            stage=self.stage,
+            precision=self.precision,
+            offload=self.offload,
+            param_specs=param_specs,
+            **extra,
         )
 
 
@@ -183,9 +197,11 @@ def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> Deep
     notes: list[str] = []
     top = Section(config, path="", table=TOP, notes=notes)
     precision = read_precision(top)
-    stage, min_shard_size, quantized = read_zero(top)
-    if quantized:  # ZeRO++ qwZ: int8 all-gathers with blockwise scales
-        precision = dataclasses.replace(precision, gather_quant="int8")
+    zero = read_zero(top)
+    # ZeRO++ qwZ and qgZ: int8 all-gathers and gradient reduce-scatters, blockwise scales.
+    precision = dataclasses.replace(
+        precision, gather_quant=zero.gather_quant, grad_quant=zero.grad_quant
+    )
     clip = top["gradient_clipping"]
     if clip < 0:
         top.refuse("gradient_clipping", "use a positive bound, or 0 for none.")
@@ -204,12 +220,13 @@ def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> Deep
             stacklevel=2,
         )
     return DeepSpeedOptions(
-        stage=stage,
+        stage=zero.stage,
         precision=precision,
+        offload=zero.offload,
         tx=None if optimizer is None else clipped(clip, optimizer.tx(learning_rate)),
         learning_rate=learning_rate,
         gradient_clipping=clip,
-        min_shard_size=min_shard_size,
+        min_shard_size=zero.min_shard_size,
         train_batch_size=top["train_batch_size"],
         micro_batch_size=top["train_micro_batch_size_per_gpu"],
         grad_accum=top["gradient_accumulation_steps"],

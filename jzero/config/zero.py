@@ -1,6 +1,14 @@
 """DeepSpeed's ``"zero_optimization"``: the stage, the stage-3 persistence threshold as
-``min_shard_size``, ZeRO++ quantized weights as ``Precision(gather_quant="int8")``;
-offloading, qgZ and hpZ refused; the performance knobs jzero has no use for warned.
+``min_shard_size``, optimizer offload to the CPU as ``offload="optimizer"``, ZeRO++ quantized
+weights and gradients as ``Precision(gather_quant="int8")`` and
+``Precision(grad_quant="int8")``; offloading to NVMe or offloading parameters, and hpZ,
+refused; the performance knobs jzero has no use for warned.
+
+``offload_optimizer`` with ``"device": "cpu"`` (or DeepSpeed's older ``"cpu_offload": true``)
+keeps the sharded optimizer state and fp32 master weights in pinned host memory, as
+ZeRO-Offload does, at stages 1-3 as in DeepSpeed. Unlike DeepSpeed, which updates them on the
+CPU (CPU Adam), jzero streams them through the accelerator and runs the Optax update there
+(:mod:`jzero.core.offload`); the numbers are those of the run without offload.
 
 ``stage3_param_persistence_threshold``: DeepSpeed keeps parameters of at most that many
 elements whole at stage 3 (``numel <= threshold``); jzero's ``min_shard_size`` keeps leaves
@@ -11,9 +19,10 @@ numbers).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
 
-from .keys import Key, Section, boolean, integer, no_effect, one_of, positive
+from .keys import Key, Section, boolean, integer, no_effect, number, one_of, positive
 
 
 def stage(value: Any) -> int:
@@ -31,34 +40,46 @@ GATHERS = (
     "stage 3 gathers per layer by itself (in scans; jax.checkpoint'ed layers); for one "
     "layer of prefetch pass train_step(..., prefetch=True)"
 )
-QGZ = (
-    "quantized gradient reduce-scatters (ZeRO++ qgZ) are not implemented in jzero; "
-    "gradients are reduced in Precision.reduce_dtype (communication_data_type)."
-)
 HPZ = (
     "jzero has no secondary partition (ZeRO++ hpZ); for sharding within groups of devices "
     "use a hybrid mesh, jzero.hybrid_mesh(replicas) (HSDP)."
 )
-NO_OFFLOAD = no_effect('nothing is offloaded ("device": "none")')
-OFFLOADING = (
-    "offloading to CPU or NVMe is not implemented in jzero: every state stays on the "
-    'accelerator. Use "device": "none", a higher stage or more devices (python -m jzero '
-    "estimate shows what fits)."
+DEVICES = one_of("none", "cpu", "nvme")
+NOTHING_OFFLOADED = no_effect('nothing is offloaded ("device": "none")')
+NVME = (
+    "jzero offloads to pinned host memory only, not to NVMe (ZeRO-Infinity). Use "
+    '"device": "cpu" to keep the optimizer state in host memory, or "none".'
 )
-OFFLOAD = {
-    "device": Key(one_of("none", "cpu", "nvme"), "none", refused=OFFLOADING, matches=("none",)),
+NVME_ONLY = no_effect("it configures NVMe offload; jzero offloads to host memory only")
+PARAMS = (
+    "jzero does not offload parameters: they stay on the accelerator (sharded at stage 3). "
+    'Offload the optimizer state instead (offload_optimizer: {"device": "cpu"}), or use '
+    '"device": "none".'
+)
+PINNED = "jzero always keeps offloaded state in pinned (page-locked) host memory"
+OFFLOAD_OPTIMIZER = {  # with "device": "cpu"; any other device: every key but it has no effect
+    "device": Key(DEVICES, "none", refused=NVME, matches=("none", "cpu")),
+    "pin_memory": Key(boolean, False, no_effect=PINNED, matches=(True,)),
+    "ratio": Key(
+        number, 1.0, no_effect="jzero offloads all of the optimizer state (ratio 1)", matches=(1.0,)
+    ),
+    **dict.fromkeys(("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"), NVME_ONLY),
+    **dict.fromkeys(("fast_init", "pipeline_read", "pipeline_write"), NVME_ONLY),
+}
+OFFLOAD_PARAM = {  # only "device": "none" passes, so every other key has no effect
+    "device": Key(DEVICES, "none", refused=PARAMS, matches=("none",)),
     **dict.fromkeys(
         ("pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "ratio"),
-        NO_OFFLOAD,
+        NOTHING_OFFLOADED,
     ),
-    **dict.fromkeys(("fast_init", "pipeline_read", "pipeline_write"), NO_OFFLOAD),
+    **dict.fromkeys(("fast_init", "pipeline_read", "pipeline_write"), NOTHING_OFFLOADED),
 }
 ZERO = {
     "stage": Key(stage, 0),
     "stage3_param_persistence_threshold": Key(integer),  # -> min_shard_size at stage 3
-    "offload_optimizer": Key(default={}),
+    "offload_optimizer": Key(default={}),  # "device": "cpu" -> offload="optimizer"
     "offload_param": Key(default={}),
-    "cpu_offload": Key(default=False, refused=OFFLOADING, matches=(False,)),
+    "cpu_offload": Key(boolean, False),  # true: offload_optimizer's "device": "cpu"
     "overlap_comm": no_effect("XLA's scheduler decides what overlaps with what"),
     "contiguous_gradients": no_effect("XLA allocates the gradients; there is no flat buffer"),
     "reduce_bucket_size": no_effect(BUCKETS),
@@ -79,27 +100,86 @@ ZERO = {
         "jzero.checkpoint.export_safetensors writes the whole model"
     ),
     "zero_quantized_weights": Key(boolean, False),  # -> Precision(gather_quant="int8")
-    "zero_quantized_gradients": Key(boolean, False, refused=QGZ, matches=(False,)),  # fmt: skip
+    "zero_quantized_gradients": Key(boolean, False),  # -> Precision(grad_quant="int8")
     "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
     "sub_group_size": no_effect("the update is one XLA program over every shard"),
-    "round_robin_gradients": no_effect("it concerns CPU offload, which jzero does not do"),
+    "round_robin_gradients": no_effect(
+        "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; jzero "
+        "keeps gradients on the accelerator (offload moves the optimizer state only)"
+    ),
     "elastic_checkpoint": no_effect("jzero.Checkpointer restores on any device count"),
     "ignore_unused_parameters": no_effect("unused parameters get zero gradients"),
 }
 
 
-def read_zero(top: Section) -> tuple[int, int | None, bool]:
-    """``(stage, min_shard_size or None, quantized weights)`` from the top level ``top``."""
+class Zero(NamedTuple):
+    """What ``"zero_optimization"`` sets."""
+
+    stage: int  # zero_optimization.stage (DeepSpeed's default 0)
+    min_shard_size: int | None  # stage3_param_persistence_threshold + 1 at stage 3, else None
+    offload: Literal["optimizer"] | None  # offload_optimizer "cpu" / cpu_offload: "optimizer"
+    gather_quant: Literal["int8"] | None  # zero_quantized_weights: "int8"
+    grad_quant: Literal["int8"] | None  # zero_quantized_gradients: "int8"
+
+
+def read_zero(top: Section) -> Zero:
+    """The options the top level ``top``'s ``"zero_optimization"`` sets."""
     zero = top.section("zero_optimization", ZERO)
-    for key in ("offload_optimizer", "offload_param"):
-        zero.section(key, OFFLOAD)
-    quantized = zero["zero_quantized_weights"]
-    if quantized and zero["stage"] != 3:
+    stage = zero["stage"]
+    gather_quant = "int8" if zero["zero_quantized_weights"] else None
+    if gather_quant and stage != 3:
         zero.refuse("zero_quantized_weights", "it quantizes stage 3's all-gathers; use stage 3.")
+    grad_quant = "int8" if zero["zero_quantized_gradients"] else None
+    if grad_quant and stage == 0:
+        zero.refuse(
+            "zero_quantized_gradients",
+            "it quantizes the gradient reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 "
+            "all-reduces whole gradients; use stage 1, 2 or 3.",
+        )
+    return Zero(stage, _min_shard_size(zero), _offload(zero), gather_quant, grad_quant)
+
+
+def _min_shard_size(zero: Section) -> int | None:
     key = "stage3_param_persistence_threshold"
     if key not in zero:
-        return zero["stage"], None, quantized
+        return None
     if zero["stage"] != 3:
         zero.note(key, "DeepSpeed uses it at stage 3 only")
-        return zero["stage"], None, quantized
-    return 3, max(0, zero[key]) + 1, quantized
+        return None
+    return max(0, zero[key]) + 1
+
+
+def _offload(zero: Section) -> Literal["optimizer"] | None:
+    """``"optimizer"`` when ``offload_optimizer`` (or ``cpu_offload``) offloads to the CPU;
+    refuses parameter offload, NVMe, both spellings at once, and stage 0."""
+    optimizer = zero.section("offload_optimizer", _for_device(zero, "offload_optimizer"))
+    zero.section("offload_param", _for_device(zero, "offload_param"))
+    if "cpu_offload" in zero and "offload_optimizer" in zero:
+        zero.refuse(
+            "cpu_offload",
+            "it is DeepSpeed's older spelling of offload_optimizer; keep offload_optimizer "
+            "alone (DeepSpeed refuses the two together too).",
+        )
+    if zero["cpu_offload"]:
+        where, key = zero, "cpu_offload"
+    elif optimizer["device"] == "cpu":
+        where, key = optimizer, "device"
+    else:
+        return None
+    if zero["stage"] == 0:
+        where.refuse(
+            key,
+            "optimizer offload needs stage 1, 2 or 3 (as in DeepSpeed): at stage 0 every "
+            "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3.",
+        )
+    return "optimizer"
+
+
+def _for_device(zero: Section, key: str) -> Mapping[str, Key]:
+    """The table for ``zero[key]``: its own with ``"device": "cpu"``; with any other device
+    every key but ``device`` has no effect (DeepSpeed ignores them too)."""
+    table = OFFLOAD_OPTIMIZER if key == "offload_optimizer" else OFFLOAD_PARAM
+    raw = zero.get(key, {})
+    if isinstance(raw, Mapping) and raw.get("device") == "cpu":
+        return table
+    return {k: rule if k == "device" else NOTHING_OFFLOADED for k, rule in table.items()}

@@ -15,6 +15,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from .checksum import checksums
+from .memory import check_memory
 from .precision import Precision
 from .state import ZeroState
 from .weighted import Weighted, check_weighted
@@ -68,7 +69,8 @@ def check_state(
     state: Any, *, stage: int, mesh: Any, mixed: bool, tx: optax.GradientTransformation | None
 ) -> None:
     """``state`` was made by an optimizer of this stage, mesh, precision and (if given)
-    Optax transformation, and its trees still match its plan."""
+    Optax transformation, its trees still match its plan, and every leaf is in the memory
+    the plan stores it in (:func:`check_memory`)."""
     if not isinstance(state, ZeroState):
         raise TypeError(f"expected a jzero.ZeroState from opt.init(...), got {type(state)}.")
     plan = state.plan
@@ -91,6 +93,7 @@ def check_state(
             f"(got {jax.tree.structure(state.params)}, expected {plan.params_def}); "
             "re-run opt.init(params) after changing the model."
         )
+    check_memory(state)
     if tx is None:
         return
     shapes = [jax.ShapeDtypeStruct(s.layout.shape, jnp.float32) for s in plan.params]

@@ -248,6 +248,7 @@ class ZeroOptimizer:
             loss_fn,
             mesh=self.mesh,
             stage=self.stage,
+            offload=self.offload,
             manual_gather=manual_gather,
             grad_accum=grad_accum,
             with_model_state=with_model_state,

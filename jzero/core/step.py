@@ -10,7 +10,7 @@ updated shards are ``all_gather``-ed afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ from .backward import local_grads
 from .checks import check_batch, check_global_batch, check_live, check_state
 from .collectives import all_gather
 from .layout import pad, unpad
+from .memory import check_state_offload
 from .offload import offloaded_update
 from .placement import constrain, store, view
 from .plan import Plan
@@ -60,6 +61,7 @@ def make_train_step(
     *,
     mesh: Mesh,
     stage: int,
+    offload: Literal["optimizer"] | None = None,
     manual_gather: bool = False,
     grad_accum: int = 1,
     with_model_state: bool = False,
@@ -81,8 +83,9 @@ def make_train_step(
             :class:`jzero.Weighted` ``(total, count)`` in place of the mean: the step then
             sums both over devices and micro-batches and trains on their quotient, the
             global-batch objective whatever the number of tokens on each device.
-        mesh, stage: what the state must have been made for (checked at trace time, with
-            ``precision`` and ``tx``: a state from another optimizer is refused).
+        mesh, stage, offload: what the state must have been made for (checked at trace
+            time, with ``precision`` and ``tx``: a state from another optimizer is refused,
+            and so is one whose leaves are not in the memory its plan stores them in).
         manual_gather: if False (default), stage 3 gathers every parameter at the start of
             the forward pass. If True, ``loss_fn`` receives :class:`Sharded` handles in stages
             2/3 and calls :func:`jzero.gather` on each layer's parameters where it uses them,
@@ -140,6 +143,7 @@ def make_train_step(
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state, stage=stage, mesh=mesh, mixed=precision.mixed, tx=tx)
+        check_state_offload(state, offload)
         plan = state.plan
         n = plan.dp_size  # R·G: the batch is split over ('replica', 'data') when hybrid
         check_batch(batch, n, grad_accum)
