@@ -117,25 +117,36 @@ def test_whole_tree_fallback_fp32_matches_single_device_optax():
     assert_tree_close(opt_state, ref.opt_state, rtol=1e-6, atol=1e-6)
 
 
-def test_fp16_overflow_skips_the_offloaded_update():
-    fp16 = jzero.Precision(param_dtype=jnp.float16, initial_loss_scale=2.0**10)
-    good, bad = awkward_batches(2)
-    bad = {"x": (bad["x"] * 1e4).astype(jnp.float16), "y": bad["y"]}  # overflows fp16
-    states, skipped = [], []
+FP16 = jzero.Precision(param_dtype=jnp.float16, initial_loss_scale=2.0**10)
+
+
+def assert_overflow_skipped_as_without_offload(make_opt, params, loss_fn, batches) -> None:
+    """Batches (good, overflowing, good) at fp16: the offloaded optimizer
+    (``make_opt(offload)``) skips the same step and ends bitwise where the other one does."""
+    finals, skipped = [], []
     for offload in (None, "optimizer"):
-        opt = jzero.ZeroOptimizer(
-            TXS["adam"], jzero.data_mesh(), stage=2, precision=fp16, offload=offload
-        )
-        state, step = opt.init(awkward_params()), opt.train_step(awkward_loss)
+        opt = make_opt(offload)
+        state, step = opt.init(params), opt.train_step(loss_fn)
         history = []
-        for batch in (good, bad, good):
+        for batch in batches:
             state, metrics = step(state, batch)
             history.append(int(metrics["skipped"]))
-        states.append(_full(opt, state))
+        finals.append(_full(opt, state))
         skipped.append(history)
     assert skipped == [[0, 1, 0], [0, 1, 0]]
-    for got, want in zip(jax.tree.leaves(states[1]), jax.tree.leaves(states[0])):
+    for got, want in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[0])):
         np.testing.assert_array_equal(got, want)
+
+
+def test_fp16_overflow_skips_the_offloaded_update():
+    good, bad = awkward_batches(2)
+    bad = {"x": (bad["x"] * 1e4).astype(jnp.float16), "y": bad["y"]}  # overflows fp16
+    make_opt = lambda offload: jzero.ZeroOptimizer(
+        TXS["adam"], jzero.data_mesh(), stage=2, precision=FP16, offload=offload
+    )
+    assert_overflow_skipped_as_without_offload(
+        make_opt, awkward_params(), awkward_loss, (good, bad, good)
+    )
 
 
 def test_checkpoint_restores_an_offloaded_state_to_host_memory():

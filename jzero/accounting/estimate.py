@@ -13,8 +13,9 @@ Hybrid sharding (HSDP: model states sharded within groups of G devices, replicat
 across the R = N/G groups) is the same table with N replaced by G (``shard_group=G``).
 
 Optimizer offload (ZeRO-Offload, ``offload="optimizer"``, stages 1-3) moves the K·Ψ/N
-optimizer bytes to host memory; the device keeps only the buckets streaming through it,
-at most two of the largest layer's states (2·K·Ψ_layer/N).
+optimizer bytes to host memory; the device keeps only the two pieces streaming through
+it: a leaf's state, cut into chunks of at most C = ``offload_chunk`` elements when its
+update is elementwise (Adam, AdamW, SGD), so at most 2·K·min(Ψ_layer, C)/N.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 # moments = 12. fp32: the parameters are already the fp32 master, so two moments = 8.
 DEFAULT_K = {"mixed": 12, "fp32": 8}
 _PARAM_BYTES = {"mixed": 2, "fp32": 4}  # bytes per parameter of params, and of grads
+OFFLOAD_CHUNK = 2**24  # ZeroOptimizer's default offload_chunk (jzero.core.plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Estimate:
     stage: int
     params_bytes: float  # parameters held: full copy, or a 1/N shard at stage 3
     grads_bytes: float  # gradients held: full, or a 1/N shard at stages 2-3
-    optimizer_bytes: float  # K·Ψ, or a 1/N shard at stages 1-3; offloaded: 2 layers' share
+    optimizer_bytes: float  # K·Ψ, or a 1/N shard at stages 1-3; offloaded: 2 chunks' share
     gathered_layer_bytes: float  # stage 3: the largest layer's params, gathered in full
     activation_bytes: float  # as given (see `transformer_activation_bytes`)
     buffer_bytes: float  # communication buffers, as given
@@ -234,6 +236,7 @@ def estimate(
     buffer_bytes: float = 0.0,
     shard_group: int | None = None,
     offload: Offload = None,
+    offload_chunk: int = OFFLOAD_CHUNK,
 ) -> Estimate:
     """Memory per device of one ZeRO stage.
 
@@ -257,15 +260,20 @@ def estimate(
             this many devices G and replicated across the N/G groups, so the stage
             formulas hold with N replaced by G. G must divide N; default N (plain ZeRO).
         offload: ``"optimizer"`` (stages 1-3): the optimizer state (K·Ψ/N) is in
-            ``host_bytes``; the device holds two of the largest layer's optimizer states
-            (``2·K·largest_layer_params/N``) while they stream through it.
+            ``host_bytes``; the device holds two pieces of it while they stream through:
+            ``2·K·min(largest_layer_params, offload_chunk)/N``. A piece is one parameter
+            leaf's state, cut into chunks of at most ``offload_chunk`` elements when the
+            update is elementwise (Adam, AdamW, SGD); a non-elementwise update
+            (Adafactor) of a leaf stacking several layers (``nn.scan``) streams the
+            whole leaf, more than this.
+        offload_chunk: ``ZeroOptimizer(offload_chunk=...)``, elements per streamed chunk.
 
     Examples:
         >>> round(estimate(params=7.5e9, devices=64, stage=1).total_bytes / 1e9, 1)
         31.4
     """
     _check_stage(stage)
-    _check_ints(devices=devices, model_parallel=model_parallel)
+    _check_ints(devices=devices, model_parallel=model_parallel, offload_chunk=offload_chunk)
     _check_nonneg(params=params, activation_bytes=activation_bytes, buffer_bytes=buffer_bytes)
     _check_nonneg(largest_layer_params=largest_layer_params)
     group = _shard_group(devices, shard_group)
@@ -277,7 +285,8 @@ def estimate(
     host = 0.0
     if _check_offload(offload, stage):
         host = states[2]
-        states = (*states[:2], 2 * k * largest_layer_params / model_parallel / group)
+        piece = min(largest_layer_params, offload_chunk)
+        states = (*states[:2], 2 * k * piece / model_parallel / group)
     extra = (gathered, float(activation_bytes), float(buffer_bytes), host)
     return Estimate(stage, *states, *extra)
 

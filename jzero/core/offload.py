@@ -10,10 +10,15 @@ Optax transformation splits that way (:func:`.split.split_update`); otherwise th
 tree is one bucket (correct for any transformation, but then the device holds the whole
 state while it updates).
 
-Bucket k's copies are tied (``optimization_barrier``) to the results of bucket k-2, so the
-copy-in of bucket k overlaps the update of bucket k-1 and at most two buckets' state is on
-the device. XLA:CPU drops optimization barriers and its memory analysis shows no saving
-from host memory: on CPU this module is tested for placement and numerics, not memory.
+A bucket whose update is elementwise and whose leaf has more than ``Plan.offload_chunk``
+elements streams in chunks of the leaf (:mod:`.chunks`): each chunk's state is sliced from
+host memory, updated, and written into a fresh host buffer (dynamic-slice from, and
+dynamic-update-slice into, host memory: the patterns XLA's host offloader streams).
+Bucket or chunk k's copies are tied (``optimization_barrier``) to what piece k-2 wrote
+back, so the copy-in of piece k overlaps the update of piece k-1 and at most two pieces'
+state is on the device. XLA:CPU drops optimization barriers and its memory analysis shows
+no saving from host memory: on CPU this module is tested for placement and numerics, not
+memory.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.extend.core import Literal
 
+from . import chunks
+from .chunks import Cut
+from .jaxprs import read
 from .placement import store, to_device, to_host, view
-from .plan import HOST, Plan
+from .plan import DEFAULT_OFFLOAD_CHUNK, HOST, Plan, Stored
 from .precision import Precision
-from .split import evaluate, split_update
+from .split import Bucket, Split, evaluate, split_update
 
 OFFLOADS = (None, "optimizer")
 _IN_FLIGHT = 2  # buckets whose state may be on the device at once
@@ -55,6 +62,24 @@ def check_offload(offload: Any, *, mesh: jax.sharding.Mesh, stage: int) -> bool:
     return True
 
 
+def check_offload_chunk(offload_chunk: Any, *, offload: str | None) -> int:
+    """Validates ``ZeroOptimizer(offload_chunk=...)``; the elements per streamed chunk."""
+    if offload_chunk is None:
+        return DEFAULT_OFFLOAD_CHUNK
+    if offload is None:
+        raise ValueError(
+            f"offload_chunk={offload_chunk!r} only applies with offload='optimizer' (it "
+            "bounds the optimizer state streamed through the device); pass "
+            "offload='optimizer' too, or leave offload_chunk out."
+        )
+    if isinstance(offload_chunk, bool) or not isinstance(offload_chunk, int) or offload_chunk < 1:
+        raise ValueError(
+            f"offload_chunk must be a positive int (elements per streamed chunk), got "
+            f"{offload_chunk!r}; e.g. offload_chunk=2**24."
+        )
+    return offload_chunk
+
+
 def offloaded_update(
     tx: optax.GradientTransformation,
     precision: Precision,
@@ -64,7 +89,7 @@ def offloaded_update(
     weights: Any,
     finite: jax.Array | None,
 ) -> tuple[Any, Any, Any]:
-    """The Optax update with the state streamed through the device, bucket by bucket.
+    """The Optax update with the state streamed through the device, piece by piece.
 
     Args:
         grads: the averaged fp32 gradients, true shapes, on the device.
@@ -81,38 +106,89 @@ def offloaded_update(
     """
     split = split_update(tx, plan)
     jaxpr = split.jaxpr.jaxpr
-    w_stored, o_stored = plan.master or plan.params, plan.opt
     g, o, w = jax.tree.leaves(grads), jax.tree.leaves(opt_state), jax.tree.leaves(weights)
     n, m = len(g), len(o)
+    # Targets t: Optax-state leaves 0..m-1, then weights m..m+n-1 (jaxpr input n + t).
+    stored, src = (*plan.opt, *(plan.master or plan.params)), [*o, *w]
     here = lambda x, s: view(to_device(plan, [x], [s]), [s])[0]
     there = lambda x, s: to_host(plan, store([x], [s]), [s])[0]
-    env = dict(zip(jaxpr.constvars, split.jaxpr.consts)) | dict(zip(jaxpr.invars[:n], g))
-    env |= {jaxpr.invars[n + j]: here(o[j], o_stored[j]) for j in split.shared}
-    evaluate(split, split.first, env)
-    out = lambda k: (
-        jaxpr.outvars[k].val if isinstance(jaxpr.outvars[k], Literal) else env[jaxpr.outvars[k]]
-    )
     keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
-    new_o, new_w, new_p, done = [None] * m, [None] * n, [None] * n, []
-    for k, b in enumerate(split.buckets):
-        copy_in = ([o[j] for j in b.opt], [w[i] for i in b.params])
-        if k >= _IN_FLIGHT:  # copy in once bucket k-2 is back on the host
-            copy_in = jax.lax.optimization_barrier((copy_in, done[k - _IN_FLIGHT]))[0]
-        env |= {jaxpr.invars[n + j]: here(x, o_stored[j]) for j, x in zip(b.opt, copy_in[0])}
-        env |= {jaxpr.invars[n + m + i]: here(x, w_stored[i]) for i, x in zip(b.params, copy_in[1])}
-        evaluate(split, b.eqns, env)
-        writes = b.opt + (split.shared if k == 0 else ())
-        for j in writes:
-            new = keep(out(n + j), env[jaxpr.invars[n + j]])
-            new_o[j] = there(new, o_stored[j])
+    env = dict(zip(jaxpr.constvars, split.jaxpr.consts)) | dict(zip(jaxpr.invars[:n], g))
+    env |= {jaxpr.invars[n + j]: here(o[j], stored[j]) for j in split.shared}
+    evaluate(split, split.first, env)
+    new_o, new_p = [None] * m, [None] * n
+    for j in split.shared:  # counters: written from the global part
+        new_o[j] = there(keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]]), stored[j])
+    pieces = [
+        (b, cut)
+        for b in split.buckets
+        for cut in chunks.cuts(split, b, plan, plan.offload_chunk) or (None,)
+    ]
+    held: dict[int, jax.Array] = {}  # target -> its new stored value (chunks: so far)
+    written, pending = [], []  # targets per piece; the last piece's writes, not yet applied
+    for k, (b, cut) in enumerate(pieces):
+        reads = [*b.opt, *(m + i for i in b.params)]
+        ins = [src[t] for t in reads]
+        if k >= _IN_FLIGHT and written[k - _IN_FLIGHT]:  # copy in once piece k-2 is back
+            tied = written[k - _IN_FLIGHT]
+            ins, back = jax.lax.optimization_barrier((ins, [held[t] for t in tied]))
+            held.update(zip(tied, back))
+        _apply(pending, held, stored, plan)  # after the barrier: one chain per buffer
+        inputs = {
+            jaxpr.invars[n + t]: here(x if cut is None else cut.take(x), stored[t])
+            for t, x in zip(reads, ins)
+        }
+        value = _run(split, b, env, inputs, cut)
+        pending = []
+        for j in b.opt:
+            new = keep(value(jaxpr.outvars[n + j]), inputs[jaxpr.invars[n + j]])
+            pending.append((j, cut, there(new, stored[j])))
         for i in b.params:
-            old = env[jaxpr.invars[n + m + i]]
-            new = keep(optax.apply_updates(old, out(i)), old)
-            new_p[i], new_w[i] = precision.cast(new), there(new, w_stored[i])
-        done.append([new_o[j] for j in writes] + [new_w[i] for i in b.params])
-    master = None if plan.master is None else jax.tree.unflatten(plan.params_def, new_w)
+            old = inputs[jaxpr.invars[n + m + i]]
+            new = keep(optax.apply_updates(old, value(jaxpr.outvars[i])), old)
+            new_p[i] = _assemble(new_p[i], precision.cast(new), cut, plan.params[i])
+            if plan.master is not None:
+                pending.append((m + i, cut, there(new, stored[m + i])))
+        written.append([t for t, _, _ in pending])
+    _apply(pending, held, stored, plan)
+    new_o = [held.get(j, x) for j, x in enumerate(new_o)]
+    master = None
+    if plan.master is not None:
+        master = jax.tree.unflatten(plan.params_def, [held[m + i] for i in range(n)])
     return (
         jax.tree.unflatten(plan.params_def, new_p),
         jax.tree.unflatten(plan.opt_def, new_o),
         master,
     )
+
+
+def _run(split: Split, bucket: Bucket, env: dict, inputs: dict, cut: Cut | None) -> Any:
+    """Evaluates ``bucket`` on ``inputs`` (whole, or ``cut`` 's chunk); returns the reader
+    of its values."""
+    if cut is None:
+        env |= inputs
+        evaluate(split, bucket.eqns, env)
+        return lambda v: read(env, v)
+    chunks.evaluate(split.jaxpr.jaxpr, bucket.eqns, env, inputs, cut)
+    return lambda v: chunks.read(v, env, inputs, cut)
+
+
+def _apply(writes: list, held: dict, stored: tuple[Stored, ...], plan: Plan) -> None:
+    """Puts each written value (a whole stored leaf, or a chunk) into ``held``."""
+    for t, cut, x in writes:
+        if cut is None:
+            held[t] = x
+            continue
+        if t not in held:  # a fresh buffer where the leaf rests, chunks written into it
+            zeros = jnp.zeros(stored[t].shape, stored[t].dtype)
+            held[t] = to_host(plan, [zeros], [stored[t]])[0]
+        held[t] = cut.put(held[t], x)
+
+
+def _assemble(params: jax.Array | None, x: jax.Array, cut: Cut | None, s: Stored) -> jax.Array:
+    """The new parameter leaf on the device: whole, or its chunks written in."""
+    if cut is None:
+        return x
+    if params is None:
+        params = jnp.zeros(s.layout.shape, x.dtype)
+    return cut.put(params, x)

@@ -25,7 +25,7 @@ from .checks import (
 )
 from .layout import DEFAULT_MIN_SHARD_SIZE
 from .mesh import REPLICA, check_mesh, fit_specs
-from .offload import check_offload
+from .offload import check_offload, check_offload_chunk
 from .placement import full_params, full_state, init_program
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
@@ -62,6 +62,12 @@ class ZeroOptimizer:
             the device one parameter leaf at a time when the transformation is elementwise
             over leaves, else as one whole tree (:mod:`jzero.core.offload`). The backend
             must offer the ``pinned_host`` memory kind. None (default): on the device.
+        offload_chunk: with ``offload="optimizer"``, the most elements of one parameter
+            leaf whose state streams through the device at once (DeepSpeed's
+            ``sub_group_size``): an elementwise update (Adam, AdamW, SGD, a global-norm
+            clip) of a larger leaf runs on chunks of it, cut along an axis no mesh axis
+            shards (:mod:`jzero.core.chunks`); other updates stream whole leaves. Default
+            (None): ``2**24``.
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(optax.adamw(3e-4), jzero.data_mesh(), stage=3)
@@ -81,6 +87,7 @@ class ZeroOptimizer:
         rules: Rules | None = None,
         precision: Precision | None = None,
         offload: Literal[None, "optimizer"] = None,
+        offload_chunk: int | None = None,
     ):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
             raise ValueError(
@@ -104,6 +111,7 @@ class ZeroOptimizer:
         self.rules = None if rules is None else check_rules(rules, mesh)
         self.precision = check_precision(Precision() if precision is None else precision)
         self.offload = offload if check_offload(offload, mesh=mesh, stage=stage) else None
+        self.offload_chunk = check_offload_chunk(offload_chunk, offload=self.offload)
 
     def plan(self, params: Any) -> Plan:
         """Where every leaf lives, for ``params`` (arrays or ``jax.ShapeDtypeStruct`` s).
@@ -124,6 +132,7 @@ class ZeroOptimizer:
             min_shard_size=self.min_shard_size,
             param_dtype=self.precision.param_dtype,
             offload=self.offload is not None,
+            offload_chunk=self.offload_chunk,
         )
 
     def _user_specs(self, shapes: Any) -> Any:

@@ -27,6 +27,8 @@ from .mesh import DATA, REPLICA
 Stage = Literal[0, 1, 2, 3]
 HOST = "pinned_host"
 """The memory kind an offloaded leaf is stored in (ZeRO-Offload: the optimizer's leaves)."""
+DEFAULT_OFFLOAD_CHUNK = 2**24
+"""Elements per chunk an offloaded elementwise update streams through the device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,9 @@ class Plan:
         opt_def, opt: the same for the Optax state.
         master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
             parameters are stored in a 16-bit dtype; None otherwise.
+        offload_chunk: with an offloaded optimizer, the most elements of a leaf whose
+            elementwise update streams through the device at once (:mod:`.chunks`);
+            None otherwise.
     """
 
     mesh: Mesh
@@ -82,6 +87,7 @@ class Plan:
     opt_def: Any
     opt: tuple[Stored, ...]
     master: tuple[Stored, ...] | None
+    offload_chunk: int | None = None
 
     @property
     def data_size(self) -> int:
@@ -185,6 +191,7 @@ def make_plan(
     min_shard_size: int,
     param_dtype: Any,
     offload: bool = False,
+    offload_chunk: int = DEFAULT_OFFLOAD_CHUNK,
 ) -> Plan:
     """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``stage``.
 
@@ -194,7 +201,8 @@ def make_plan(
     mesh's other axes, shaped like ``params``. Parameters are stored in ``param_dtype``;
     with a 16-bit ``param_dtype`` the fp32 master weights are laid out like the optimizer
     state. With ``offload`` the optimizer state and master weights are stored in host
-    memory (memory kind ``HOST``); the parameters stay on the device.
+    memory (memory kind ``HOST``); the parameters stay on the device, and the update
+    streams elementwise leaves through it in chunks of ``offload_chunk`` elements.
     """
     n = 1 if stage == 0 else mesh.shape[DATA]
     rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_shard_size, user_spec=spec)
@@ -226,4 +234,5 @@ def make_plan(
             Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind)
             for lay, x in zip(p_lays, p_leaves)
         )
-    return Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master)
+    chunk = offload_chunk if offload else None
+    return Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, chunk)

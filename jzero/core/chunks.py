@@ -1,0 +1,144 @@
+"""Chunks of an elementwise update bucket: the device memory bound of optimizer offload.
+
+An offloaded update streams one parameter leaf's state through the device at a time
+(:mod:`.offload`). With layers stacked by ``nn.scan`` one leaf holds every layer, so one
+bucket is a large share of the whole state. A bucket whose equations are all elementwise
+(Adam, AdamW, SGD, momentum, the per-leaf part of ``clip_by_global_norm``) computes each
+element from the same element of its inputs and from global scalars, so it can run on
+static slices of the leaf: chunks of at most ``Plan.offload_chunk`` elements along one
+axis that no mesh axis shards (slicing a sharded axis would make XLA communicate), as
+DeepSpeed's ``sub_group_size`` bounds its optimizer sub-steps. Each chunk evaluates the
+bucket's own traced equations (a ``broadcast_in_dim`` of a scalar gets the chunk's
+shape), so the result is the whole bucket's, element for element.
+
+Elementwise is decided from the jaxpr: every equation's primitive is in
+:data:`ELEMENTWISE` (or is a ``jit`` of such equations), ``broadcast_in_dim`` only
+broadcasts a scalar, and every non-scalar operand and result has the leaf's shape.
+Anything else (Adafactor's factored moments, a per-leaf norm) stays whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax
+from jax.extend.core import Jaxpr, JaxprEqn, Literal
+
+from .jaxprs import bind
+from .plan import Plan
+from .split import Bucket, Split
+
+ELEMENTWISE = frozenset(
+    {
+        *("add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "clamp"),
+        *("sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "exp", "exp2", "log"),
+        *("log1p", "expm1", "tanh", "logistic", "select_n", "convert_element_type", "copy"),
+        *("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "is_finite"),
+        "reduce_precision",
+    }
+)
+"""Primitives that map each element of their operands to the same element of the result."""
+
+
+class Cut(NamedTuple):
+    """One chunk of a leaf: ``size`` indices from ``start`` along ``axis`` (of the true shape;
+    a stored leaf is padded along its shard dimension only, which is never ``axis``)."""
+
+    axis: int
+    start: int
+    size: int
+
+    def take(self, x: jax.Array) -> jax.Array:
+        """The chunk of ``x`` (a static dynamic-slice: XLA streams it from host memory)."""
+        return jax.lax.dynamic_slice_in_dim(x, self.start, self.size, self.axis)
+
+    def put(self, buffer: jax.Array, x: jax.Array) -> jax.Array:
+        """``buffer`` with the chunk ``x`` written in (into host memory where it rests)."""
+        return jax.lax.dynamic_update_slice_in_dim(buffer, x, self.start, self.axis)
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[: self.axis], self.size, *shape[self.axis + 1 :])
+
+
+def cuts(split: Split, bucket: Bucket, plan: Plan, chunk: int | None) -> tuple[Cut, ...] | None:
+    """The chunks ``bucket`` is evaluated in, or None to evaluate it whole.
+
+    Whole: without a chunk size, a bucket of several parameters (the whole-tree fallback),
+    a leaf of at most ``chunk`` elements, a bucket that is not elementwise, or a leaf whose
+    every axis of size > 1 is sharded. Otherwise the cut axis is the most major free axis
+    along which one index holds at most ``chunk`` elements (contiguous host copies); if
+    none does, the free axis whose one index holds the fewest elements (the chunks, one
+    index each, then exceed ``chunk``). The chunks are as even as their count allows.
+    """
+    if chunk is None or len(bucket.params) != 1:
+        return None
+    i = bucket.params[0]
+    shape = plan.params[i].layout.shape
+    size = math.prod(shape)
+    layouts = [plan.params[i].layout, *(plan.opt[j].layout for j in bucket.opt)]
+    layouts += [] if plan.master is None else [plan.master[i].layout]
+    if size <= chunk or any(lay.shape != shape for lay in layouts):
+        return None
+    if not elementwise(split.jaxpr.jaxpr, bucket.eqns, shape):
+        return None
+    entry = lambda spec, a: spec[a] if a < len(spec) else None
+    free = [
+        a
+        for a in range(len(shape))
+        if shape[a] > 1 and all(entry(lay.spec, a) is None for lay in layouts)
+    ]
+    if not free:
+        return None
+    fits = [a for a in free if size // shape[a] <= chunk]
+    axis = min(fits) if fits else min(free, key=lambda a: size // shape[a])
+    count = -(-shape[axis] // max(1, chunk // (size // shape[axis])))
+    ends = [shape[axis] * c // count for c in range(count + 1)]
+    return tuple(Cut(axis, a, b - a) for a, b in zip(ends, ends[1:]))
+
+
+def elementwise(jaxpr: Jaxpr, eqns: Iterable[int], shape: tuple[int, ...]) -> bool:
+    """Whether the given equations of ``jaxpr`` are elementwise over leaves of ``shape``."""
+    return all(_elementwise(jaxpr.eqns[e], shape) for e in eqns)
+
+
+def _elementwise(eqn: JaxprEqn, shape: tuple[int, ...]) -> bool:
+    if any(v.aval.shape not in ((), shape) for v in (*eqn.invars, *eqn.outvars)):
+        return False
+    name = eqn.primitive.name
+    if name == "jit":
+        inner = eqn.params["jaxpr"]
+        consts = all(getattr(c, "shape", ()) in ((), shape) for c in inner.consts)
+        return consts and all(_elementwise(e, shape) for e in inner.jaxpr.eqns)
+    if name == "broadcast_in_dim":
+        return eqn.invars[0].aval.shape == () and eqn.params.get("sharding") is None
+    return name in ELEMENTWISE
+
+
+def read(v: Any, env: dict, local: dict, cut: Cut) -> Any:
+    """The chunk's value of a jaxpr atom: evaluated in the chunk (``local``), or whole in
+    ``env`` (a gradient, a global value; sliced to the chunk unless it is a scalar)."""
+    if isinstance(v, Literal):
+        return v.val
+    if v not in local:
+        x = env[v]
+        local[v] = x if jax.numpy.ndim(x) == 0 else cut.take(x)
+    return local[v]
+
+
+def evaluate(jaxpr: Jaxpr, eqns: Iterable[int], env: dict, local: dict, cut: Cut) -> None:
+    """Evaluates elementwise equations of ``jaxpr`` on one chunk, writing ``local``."""
+    for e in eqns:
+        eqn = jaxpr.eqns[e]
+        args = [read(v, env, local, cut) for v in eqn.invars]
+        if eqn.primitive.name == "jit":  # inlined, so that its shapes become the chunk's
+            inner, consts = eqn.params["jaxpr"].jaxpr, eqn.params["jaxpr"].consts
+            whole, scope = dict(zip(inner.constvars, consts)), dict(zip(inner.invars, args))
+            evaluate(inner, range(len(inner.eqns)), whole, scope, cut)
+            outs = [read(v, whole, scope, cut) for v in inner.outvars]
+        elif eqn.primitive.name == "broadcast_in_dim":
+            outs = bind(eqn, args, {**eqn.params, "shape": cut.shape(eqn.params["shape"])})
+        else:
+            outs = bind(eqn, args)
+        local.update(zip(eqn.outvars, outs))
