@@ -658,6 +658,17 @@ def test_optimizer_offload_to_the_cpu_is_offload_optimizer(stage, name):
     assert (opt.stage, opt.offload) == (stage, "optimizer")
 
 
+def test_sub_group_size_bounds_the_offloaded_chunks():
+    zero = {"stage": 3, "sub_group_size": 1e6, **OFFLOADED["cpu"]}  # JSON's 1e6 is 10**6
+    ds = load({"zero_optimization": zero})
+    assert ds.offload_chunk == 10**6
+    assert ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1)).offload_chunk == 10**6
+    assert load({"zero_optimization": {"stage": 3, **OFFLOADED["cpu"]}}).offload_chunk is None
+    with pytest.warns(DeepSpeedConfigWarning, match="sub_group_size: without optimizer offload"):
+        ds = jzero.from_deepspeed_config({"zero_optimization": {"stage": 3, "sub_group_size": 8}})
+    assert ds.offload_chunk is None and ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
+
+
 @pytest.mark.parametrize(
     "zero",
     [

@@ -92,6 +92,9 @@ class DeepSpeedOptions:
         offload: ``"optimizer"`` for ``offload_optimizer`` ``{"device": "cpu"}`` (or
             ``cpu_offload``): the optimizer state and fp32 master weights rest in pinned host
             memory (``ZeroOptimizer(offload=...)``); None otherwise.
+        offload_chunk: with ``offload``, ``sub_group_size``: the most elements of a leaf
+            whose state streams through the device at once (``ZeroOptimizer(offload_chunk=
+            ...)``); None: absent (jzero's default) or not offloaded.
         tx: the ``optimizer`` with its ``scheduler``, after ``gradient_clipping``; None
             without an ``optimizer``.
         learning_rate: the ``scheduler`` as an Optax schedule, else the optimizer's lr;
@@ -115,6 +118,7 @@ class DeepSpeedOptions:
     train_batch_size: int | None
     micro_batch_size: int | None
     grad_accum: int | None
+    offload_chunk: int | None = None
 
     def batch_sizes(self, *, data_parallel_size: int) -> BatchSizes:
         """The three batch sizes on ``data_parallel_size`` devices, completed as DeepSpeed
@@ -165,6 +169,8 @@ class DeepSpeedOptions:
             )
         tx = self.tx if tx is None else clipped(self.gradient_clipping, tx)
         extra = {} if self.min_shard_size is None else {"min_shard_size": self.min_shard_size}
+        if self.offload_chunk is not None:
+            extra["offload_chunk"] = self.offload_chunk
         return ZeroOptimizer(
             tx,
             mesh,
@@ -223,6 +229,7 @@ def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> Deep
         stage=zero.stage,
         precision=precision,
         offload=zero.offload,
+        offload_chunk=zero.offload_chunk,
         tx=None if optimizer is None else clipped(clip, optimizer.tx(learning_rate)),
         learning_rate=learning_rate,
         gradient_clipping=clip,

@@ -102,7 +102,7 @@ ZERO = {
     "zero_quantized_weights": Key(boolean, False),  # -> Precision(gather_quant="int8")
     "zero_quantized_gradients": Key(boolean, False),  # -> Precision(grad_quant="int8")
     "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
-    "sub_group_size": no_effect("the update is one XLA program over every shard"),
+    "sub_group_size": Key(positive),  # with offload: offload_chunk
     "round_robin_gradients": no_effect(
         "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; jzero "
         "keeps gradients on the accelerator (offload moves the optimizer state only)"
@@ -120,6 +120,7 @@ class Zero(NamedTuple):
     offload: Literal["optimizer"] | None  # offload_optimizer "cpu" / cpu_offload: "optimizer"
     gather_quant: Literal["int8"] | None  # zero_quantized_weights: "int8"
     grad_quant: Literal["int8"] | None  # zero_quantized_gradients: "int8"
+    offload_chunk: int | None  # sub_group_size, with offload; else None
 
 
 def read_zero(top: Section) -> Zero:
@@ -136,7 +137,24 @@ def read_zero(top: Section) -> Zero:
             "it quantizes the gradient reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 "
             "all-reduces whole gradients; use stage 1, 2 or 3.",
         )
-    return Zero(stage, _min_shard_size(zero), _offload(zero), gather_quant, grad_quant)
+    offload = _offload(zero)
+    return Zero(
+        stage, _min_shard_size(zero), offload, gather_quant, grad_quant, _chunk(zero, offload)
+    )
+
+
+def _chunk(zero: Section, offload: str | None) -> int | None:
+    """``sub_group_size`` (elements per optimizer sub-step) as ``offload_chunk``: the most
+    elements of a leaf whose offloaded state streams through the device at once."""
+    if "sub_group_size" not in zero:
+        return None
+    if offload is None:
+        zero.note(
+            "sub_group_size",
+            "without optimizer offload the update is one XLA program over every shard",
+        )
+        return None
+    return zero["sub_group_size"]
 
 
 def _min_shard_size(zero: Section) -> int | None:
