@@ -12,6 +12,14 @@ from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The training runs of mp_worker.py's "train" mode: name -> (stage, Precision keywords).
+# "3-int8": ZeRO++'s int8 all-gathers (qwZ) and int8 gradient all-to-alls (qgZ) crossing
+# processes.
+TRAIN_RUNS = {
+    **{str(stage): (stage, {}) for stage in range(4)},
+    "3-int8": (3, {"gather_quant": "int8", "grad_quant": "int8"}),
+}
+
 
 class Finished(NamedTuple):
     returncode: int

@@ -18,6 +18,7 @@ jax.config.update("jax_num_cpu_devices", int(os.environ["JZERO_LOCAL_CPU_DEVICES
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _models import awkward_batches, awkward_loss, awkward_params  # noqa: E402
+from _multiprocess import TRAIN_RUNS  # noqa: E402
 
 import jzero  # noqa: E402
 
@@ -43,17 +44,20 @@ def expect_error(fn, text):
 
 if MODE == "train":
     out = {"losses": {}, "params": {}, "errors": []}
-    for stage in range(4):
-        opt = jzero.ZeroOptimizer(optax.adam(1e-2), mesh, stage=stage, min_shard_size=1)
+    for name, (stage, precision) in TRAIN_RUNS.items():
+        precision = jzero.Precision(**precision)
+        opt = jzero.ZeroOptimizer(
+            optax.adam(1e-2), mesh, stage=stage, min_shard_size=1, precision=precision
+        )
         state, step = opt.init(awkward_params()), opt.train_step(awkward_loss)
         losses = []
         for batch in awkward_batches(3, batch_size=16):
             state, metrics = step(state, jzero.distributed.global_batch(mesh, local_rows(batch)))
             losses.append(float(metrics["loss"]))
-        out["losses"][stage] = losses
+        out["losses"][name] = losses
         full = opt.full_params(state)  # replicated: every process holds it whole
-        out["params"][stage] = {k: np.asarray(v).tolist() for k, v in full.items()}
-        if stage == 3:
+        out["params"][name] = {k: np.asarray(v).tolist() for k, v in full.items()}
+        if name == "3":
             report = jzero.report(
                 step, state, jzero.distributed.global_batch(mesh, local_rows(batch))
             )

@@ -1,8 +1,9 @@
 """Multi-process runs: real processes on 127.0.0.1 (JAX's gloo CPU collectives).
 
 2 processes x 4 CPU devices train exactly like 1 process x 8 devices (fp32 rounding), on
-process-local batches; the silent-wrong inputs raise; checkpoints cross process counts;
-a lost peer ends every survivor with a message within the bound.
+process-local batches, also with ZeRO++'s int8 gathers and gradient all-to-alls; the
+silent-wrong inputs raise; checkpoints cross process counts; a lost peer ends every
+survivor with a message within the bound.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import numpy as np
 import optax
 import pytest
 from _models import awkward_batches, awkward_loss, awkward_params
-from _multiprocess import REPO, run_processes
+from _multiprocess import REPO, TRAIN_RUNS, run_processes
 
 import jzero
 
 WORKER = REPO / "tests" / "mp_worker.py"
 
 
-def single_process(stage):
-    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=stage, min_shard_size=1)
+def single_process(stage, precision=None):
+    opt = jzero.ZeroOptimizer(
+        optax.adam(1e-2), jzero.data_mesh(), stage=stage, min_shard_size=1, precision=precision
+    )
     state, step, losses = opt.init(awkward_params()), opt.train_step(awkward_loss), []
     for batch in awkward_batches(3, batch_size=16):
         state, metrics = step(state, batch)
@@ -45,12 +48,13 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
     runs = [json.loads(Path(f"{out}.{i}").read_text()) for i in range(2)]
     assert runs[0] == runs[1]  # every process ends with the same numbers
     run = runs[0]
-    for stage in range(4):
-        opt, state, losses = single_process(stage)
-        np.testing.assert_allclose(run["losses"][str(stage)], losses, rtol=1e-6)
+    assert set(run["losses"]) == set(TRAIN_RUNS)
+    for key, (stage, precision) in TRAIN_RUNS.items():
+        opt, state, losses = single_process(stage, jzero.Precision(**precision))
+        np.testing.assert_allclose(run["losses"][key], losses, rtol=1e-6)
         for name, want in opt.full_params(state).items():
             np.testing.assert_allclose(
-                run["params"][str(stage)][name], want, rtol=1e-6, atol=1e-7, err_msg=name
+                run["params"][key][name], want, rtol=1e-6, atol=1e-7, err_msg=name
             )
     _, state3, _ = single_process(3)
     # the silent-wrong cases of a multi-process run now raise, naming the fix
