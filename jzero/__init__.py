@@ -18,15 +18,15 @@ from .accounting.report import Report as Report
 from .accounting.report import report as report
 from .checkpoint import Checkpointer as Checkpointer
 from .config.deepspeed import from_deepspeed_config as from_deepspeed_config
-from .core.collectives import Sharded as Sharded
-from .core.collectives import gather as gather
+from .core.comm.collectives import Sharded as Sharded
+from .core.comm.collectives import gather as gather
+from .core.gather.remat import remat_layer as remat_layer
 from .core.layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
 from .core.mesh import hybrid_mesh as hybrid_mesh
 from .core.optimizer import ZeroOptimizer as ZeroOptimizer
 from .core.plan import Plan as Plan
 from .core.precision import Precision as Precision
-from .core.remat import remat_layer as remat_layer
 from .core.state import ZeroState as ZeroState
 from .core.weighted import Weighted as Weighted
 

@@ -33,8 +33,8 @@ from _models import (
 from jax.ad_checkpoint import checkpoint_name
 
 import jzero
-from jzero.core.offload import check_offload
-from jzero.core.split import split_update
+from jzero.core.offload.split import split_update
+from jzero.core.offload.update import check_offload
 
 HOST = "pinned_host"
 BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)

@@ -34,9 +34,9 @@ from test_offload import (
 
 import jzero
 from jzero.accounting import collectives
-from jzero.core.chunks import cuts, elementwise
+from jzero.core.offload.chunks import cuts, elementwise
+from jzero.core.offload.split import split_update
 from jzero.core.plan import DEFAULT_OFFLOAD_CHUNK
-from jzero.core.split import split_update
 
 KERNEL = stacked_params()["layers"]["w"].shape  # (layers, width, width)
 LAYER = KERNEL[1] * KERNEL[2]  # elements of one layer's kernel: the chunk size here

@@ -31,9 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 import jzero
 from jzero.accounting import collectives, comm_bytes
-from jzero.core.collectives import all_gather
+from jzero.core.comm.collectives import all_gather
+from jzero.core.comm.quantize import Quant, dequantize, quantize, quantized_all_gather
 from jzero.core.layout import leaf_layout
-from jzero.core.quantize import Quant, dequantize, quantize, quantized_all_gather
 
 N = 8
 INT8 = jzero.Precision(gather_quant="int8")

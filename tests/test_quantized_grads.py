@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jzero
 from jzero.accounting import collectives
-from jzero.core.layout import leaf_layout
-from jzero.core.mesh import DATA
-from jzero.core.quantize import (
+from jzero.core.comm.quantize import (
     Quant,
     dequantize,
     pack_int4,
@@ -37,8 +33,8 @@ from jzero.core.quantize import (
     quantized_reduce_scatter,
     unpack_int4,
 )
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from jzero.core.layout import leaf_layout
+from jzero.core.mesh import DATA
 
 N = 8
 LEVELS = {"int8": 127, "int4": 7}

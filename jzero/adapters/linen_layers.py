@@ -16,8 +16,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from ..core.collectives import Sharded, gather
-from ..core.remat import remat_layer
+from ..core.comm.collectives import Sharded, gather
+from ..core.gather.remat import remat_layer
 from .classes import layer_classes as _classes
 
 _is_sharded = lambda x: isinstance(x, Sharded)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..core.collectives import Sharded, gather
+from ..core.comm.collectives import Sharded, gather
 from .classes import layer_classes as _classes
 from .nnx_remat import remat_layer
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from flax import nnx
 
-from ..core.collectives import Sharded, gather
-from ..core.remat import remat_layer as _remat_layer
+from ..core.comm.collectives import Sharded, gather
+from ..core.gather.remat import remat_layer as _remat_layer
 
 
 def split(model: nnx.Module) -> tuple[Any, Any, Any]:

@@ -8,7 +8,7 @@ refused; the performance knobs jzero has no use for warned.
 keeps the sharded optimizer state and fp32 master weights in pinned host memory, as
 ZeRO-Offload does, at stages 1-3 as in DeepSpeed. Unlike DeepSpeed, which updates them on the
 CPU (CPU Adam), jzero streams them through the accelerator and runs the Optax update there
-(:mod:`jzero.core.offload`); the numbers are those of the run without offload.
+(:mod:`jzero.core.offload.update`); the numbers are those of the run without offload.
 
 ``stage3_param_persistence_threshold``: DeepSpeed keeps parameters of at most that many
 elements whole at stage 3 (``numel <= threshold``); jzero's ``min_shard_size`` keeps leaves

@@ -1,7 +1,8 @@
-"""The core: mesh, plan and layout, collectives, placement, precision, the step, remat.
+"""The core: mesh, plan and layout, placement, precision, checks, the step, the optimizer.
 
 Dependencies point one way: ``mesh`` <- ``layout`` <- ``plan`` <- ``state`` <- ``placement``
-<- ``step`` <- ``optimizer``; ``collectives``, ``precision`` and ``checks`` are used by the
-step and the optimizer; ``remat`` sits on ``collectives``. Nothing here imports the
-optimizer, the Flax adapters or the accounting.
+<- ``step`` <- ``optimizer``. Three subpackages serve the step: ``comm`` (the collectives,
+bucketed and quantized), ``gather`` (where stage 3 gathers: per layer, prefetched,
+rematerialised; on ``comm``) and ``offload`` (the optimizer state streamed from host
+memory). Nothing here imports the optimizer, the Flax adapters or the accounting.
 """

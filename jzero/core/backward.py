@@ -26,16 +26,16 @@ import jax
 import jax.numpy as jnp
 
 from . import rng
-from .autogather import gather_where_used
 from .axis_alias import aliased
 from .axis_names import as_tuple, unknown_axis_error
 from .checks import check_loss, split_model_state
-from .collectives import Sharded, after, gather_each, reduce_scatter, saves_no_gathered
+from .comm.collectives import Sharded, after, gather_each, reduce_scatter, saves_no_gathered
+from .comm.quantize import Quant
+from .gather.autogather import gather_where_used
 from .layout import LeafLayout
 from .mesh import DATA, REPLICA
 from .plan import Plan
 from .precision import Precision
-from .quantize import Quant
 from .weighted import Weighted
 
 

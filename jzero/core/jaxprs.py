@@ -2,8 +2,8 @@
 
 Three parts of jzero trace a function once and evaluate its jaxpr equation by equation,
 changing some equations and binding the others as traced: stage 3's deferred gathers
-(:mod:`.autogather`), batch-axis aliases (:mod:`.axis_alias`) and the offloaded update's
-split (:mod:`.split`). :func:`bind` is how each binds an equation unchanged.
+(:mod:`.gather.autogather`), batch-axis aliases (:mod:`.axis_alias`) and the offloaded update's
+split (:mod:`.offload.split`). :func:`bind` is how each binds an equation unchanged.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from .checks import (
 )
 from .layout import DEFAULT_MIN_SHARD_SIZE
 from .mesh import REPLICA, check_mesh, fit_specs
-from .offload import check_offload, check_offload_chunk
+from .offload.update import check_offload, check_offload_chunk
 from .placement import full_params, full_state, init_program
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
@@ -60,13 +60,13 @@ class ZeroOptimizer:
         offload: ``"optimizer"`` keeps the sharded Optax state and fp32 master weights in
             pinned host memory (ZeRO-Offload; stages 1-3); each step streams them through
             the device one parameter leaf at a time when the transformation is elementwise
-            over leaves, else as one whole tree (:mod:`jzero.core.offload`). The backend
+            over leaves, else as one whole tree (:mod:`jzero.core.offload.update`). The backend
             must offer the ``pinned_host`` memory kind. None (default): on the device.
         offload_chunk: with ``offload="optimizer"``, the most elements of one parameter
             leaf whose state streams through the device at once (DeepSpeed's
             ``sub_group_size``): an elementwise update (Adam, AdamW, SGD, a global-norm
             clip) of a larger leaf runs on chunks of it, cut along an axis no mesh axis
-            shards (:mod:`jzero.core.chunks`); other updates stream whole leaves. Default
+            shards (:mod:`jzero.core.offload.chunks`); other updates stream whole leaves. Default
             (None): ``2**24``.
 
     Examples:

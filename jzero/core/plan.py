@@ -76,7 +76,7 @@ class Plan:
         master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
             parameters are stored in a 16-bit dtype; None otherwise.
         offload_chunk: with an offloaded optimizer, the most elements of a leaf whose
-            elementwise update streams through the device at once (:mod:`.chunks`);
+            elementwise update streams through the device at once (:mod:`.offload.chunks`);
             None otherwise.
     """
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .quantize import GATHER_QUANTS, GRAD_QUANTS, Quant
+from .comm.quantize import GATHER_QUANTS, GRAD_QUANTS, Quant
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -45,7 +45,7 @@ class Precision:
         growth_interval: good steps between doublings of the scale.
         gather_quant: ``'int8'``: stage 3 all-gathers its parameters as int8 with one
             fp32 scale per block of ``quant_block`` elements (ZeRO++'s qwZ, about 0.27x
-            fp32's bytes; :mod:`jzero.core.quantize`); each element is off by at most
+            fp32's bytes; :mod:`jzero.core.comm.quantize`); each element is off by at most
             absmax/254 of its block. Gradients are those at the dequantized parameters,
             reduce-scattered unquantized in ``reduce_dtype``. None: gathered exactly.
             Only stage 3 gathers parameters; other stages refuse it.
@@ -53,7 +53,7 @@ class Precision:
             quantized (ZeRO++'s qgZ): each device quantizes the part of its gradient each
             other device owns, with one fp32 scale per block of ``quant_block`` elements,
             sends it in one all-to-all, and the owner dequantizes and sums the N parts in
-            fp32 (:mod:`jzero.core.quantize`). Each device's contribution is off by at most
+            fp32 (:mod:`jzero.core.comm.quantize`). Each device's contribution is off by at most
             absmax/254 (int8) or absmax/14 (int4) of its block. None: reduced exactly in
             ``reduce_dtype``. Stage 0 (all-reduce) refuses it.
         quant_block: elements per fp32 scale of a quantized gather or reduce-scatter (a

@@ -22,10 +22,10 @@ from .axis_alias import alias_mesh
 from .axis_names import check_aliases
 from .backward import local_grads
 from .checks import check_batch, check_global_batch, check_live, check_state
-from .collectives import all_gather
+from .comm.collectives import all_gather
 from .layout import pad, unpad
 from .memory import check_state_offload
-from .offload import offloaded_update
+from .offload.update import offloaded_update
 from .placement import constrain, store, view
 from .plan import Plan
 from .precision import Precision
@@ -120,14 +120,14 @@ def make_train_step(
             neither a mesh axis nor an alias raises ``ValueError`` naming it.
         bucket: each layer's leaves travel as one flat all-gather (stage 3) and one flat
             reduce-scatter (stages 2/3) per dtype instead of one collective per leaf
-            (DeepSpeed's buckets, FSDP2's parameter groups; :mod:`.buckets`). A layer is
+            (DeepSpeed's buckets, FSDP2's parameter groups; :mod:`.comm.buckets`). A layer is
             what one gather happens for: a scan step (stage 3's default), a
             :func:`jzero.remat_layer`, a ``layers=`` block, a ``jzero.gather`` call.
             The collectives are exact (bitwise those of ``bucket=False``).
         prefetch: stage 3's default gathering, in scans over stacked layers: issue layer
             i+1's all-gather in the step that computes layer i, and in backward layer
             i-1's in the step of layer i (FSDP2's forward/backward prefetch, for XLA's
-            latency-hiding scheduler on GPU; :mod:`.prefetch`). Two layers are gathered
+            latency-hiding scheduler on GPU; :mod:`.gather.prefetch`). Two layers are gathered
             at a time instead of one, and backward recomputes each layer's forward from
             its input (activations are not kept). Same values as without.
 
@@ -216,7 +216,7 @@ def _update(
 
     With ``finite`` (dynamic loss scaling) a step whose gradients are not finite keeps
     the old parameters, Optax state and master weights. With an offloaded optimizer the
-    state streams through the device (:func:`.offload.offloaded_update`).
+    state streams through the device (:func:`.offload.update.offloaded_update`).
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params

@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..jaxprs import read
+from ..placement import store, to_device, to_host, view
+from ..plan import DEFAULT_OFFLOAD_CHUNK, HOST, Plan, Stored
+from ..precision import Precision
 from . import chunks
 from .chunks import Cut
-from .jaxprs import read
-from .placement import store, to_device, to_host, view
-from .plan import DEFAULT_OFFLOAD_CHUNK, HOST, Plan, Stored
-from .precision import Precision
 from .split import Bucket, Split, evaluate, split_update
 
 OFFLOADS = (None, "optimizer")

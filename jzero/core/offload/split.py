@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import optax
 from jax.extend.core import ClosedJaxpr, Literal
 
-from .jaxprs import bind, read
-from .plan import Plan
+from ..jaxprs import bind, read
+from ..plan import Plan
 
 
 class Bucket(NamedTuple):

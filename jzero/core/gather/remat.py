@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .collectives import GATHERED, Sharded, after, gather, saves_no_gathered
+from ..comm.collectives import GATHERED, Sharded, after, gather, saves_no_gathered
 
 
 def _gathers(params: Any) -> bool:

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ..layout import LeafLayout, pad
+from ..mesh import DATA
 from .buckets import all_gather_flat, reduce_scatter_flat
-from .layout import LeafLayout, pad
-from .mesh import DATA
 from .quantize import Quant, quantized_all_gather, quantized_reduce_scatter
 
 GATHERED = "jzero_gathered"

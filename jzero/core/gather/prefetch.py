@@ -25,9 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .buckets import all_gather_flat
-from .collectives import Sharded, after, all_gather, reduce_scatter, scatter_flat
-from .quantize import quantized_all_gather
+from ..comm.buckets import all_gather_flat
+from ..comm.collectives import Sharded, after, all_gather, reduce_scatter, scatter_flat
+from ..comm.quantize import quantized_all_gather
 
 Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
 """``step(consts, carry, params, x) -> (carry, y)``: one layer, ``params`` gathered."""

@@ -46,9 +46,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from ..layout import LeafLayout
+from ..mesh import DATA
 from .buckets import all_gather_flat, reduce_scatter_flat
-from .layout import LeafLayout
-from .mesh import DATA
 
 GATHER_QUANTS = ("int8",)
 """The values ``Precision.gather_quant`` accepts besides None."""
@@ -167,7 +167,7 @@ def quantized_all_gather(
 ) -> list[jax.Array]:
     """Local shards (one dtype) -> full leaves of the true shapes, gathered quantized.
 
-    As :func:`jzero.core.buckets.all_gather_flat` (one message for all ``shards``, padding
+    As :func:`jzero.core.comm.buckets.all_gather_flat` (one message for all ``shards``, padding
     trimmed by a negative ``lax.pad``), the message sent as int8 blocks (each leaf's own)
     and their fp32 scales: two all-gathers.
     """
@@ -214,7 +214,7 @@ def quantized_reduce_scatter(
     """Local full gradients (one dtype) -> this device's shards of their sums over devices
     (ZeRO++'s qgZ).
 
-    As :func:`jzero.core.buckets.reduce_scatter_flat`, the ``psum_scatter`` replaced by an
+    As :func:`jzero.core.comm.buckets.reduce_scatter_flat`, the ``psum_scatter`` replaced by an
     all-to-all of int8 (or packed int4) blocks and their fp32 scales, summed in fp32 by
     each part's owner.
     """

@@ -1,7 +1,7 @@
 """Chunks of an elementwise update bucket: the device memory bound of optimizer offload.
 
 An offloaded update streams one parameter leaf's state through the device at a time
-(:mod:`.offload`). With layers stacked by ``nn.scan`` one leaf holds every layer, so one
+(:mod:`.update`). With layers stacked by ``nn.scan`` one leaf holds every layer, so one
 bucket is a large share of the whole state. A bucket whose equations are all elementwise
 (Adam, AdamW, SGD, momentum, the per-leaf part of ``clip_by_global_norm``) computes each
 element from the same element of its inputs and from global scalars, so it can run on
@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
-from .jaxprs import bind
-from .plan import Plan
+from ..jaxprs import bind
+from ..plan import Plan
 from .split import Bucket, Split
 
 ELEMENTWISE = frozenset(

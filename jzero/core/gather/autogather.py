@@ -27,8 +27,8 @@ import jax
 from jax.extend import core
 from jax.extend.core import primitives as prims
 
-from .collectives import Sharded, gather, gather_each, saves_no_gathered
-from .jaxprs import bind
+from ..comm.collectives import Sharded, gather, gather_each, saves_no_gathered
+from ..jaxprs import bind
 from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
 
