@@ -306,6 +306,14 @@ KILLED_SAVE = textwrap.dedent(
     ckpt.save(1, state)
     ckpt.wait()
     ckpt.save(2, state)  # returns once the arrays are off the devices; writing goes on
+    # Orbax makes step 2's temporary directory in the background: kill once it exists
+    # (on a loaded machine it can come after save() returns), while it is still written.
+    import time
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+        n.startswith("2") for n in os.listdir(sys.argv[1])
+    ):
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
