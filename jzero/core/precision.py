@@ -44,7 +44,7 @@ class Precision:
         initial_loss_scale: the starting scale (a power of two).
         growth_interval: good steps between doublings of the scale.
         gather_quant: ``'int8'``: stage 3 all-gathers its parameters as int8 with one
-            fp32 scale per block of ``quant_block`` elements (ZeRO++'s qwZ, about 0.27x
+            fp32 scale per block of ``quant_block`` elements (ZeRO++'s qwZ, about 0.254x
             fp32's bytes; :mod:`jzero.core.comm.quantize`); each element is off by at most
             absmax/254 of its block. Gradients are those at the dequantized parameters,
             reduce-scattered unquantized in ``reduce_dtype``. None: gathered exactly.

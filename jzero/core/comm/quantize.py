@@ -7,8 +7,8 @@ stage 3 gathers per layer) is flattened and cut into equal blocks of at most ``b
 elements (the last padded with zeros), and a bucket (:mod:`.buckets`) sends its leaves'
 blocks together; each block is sent as int8 values ``round(x / scale)`` with one fp32
 ``scale = absmax / 127`` (symmetric absmax quantization). So the wire carries 1 byte per
-element plus 4 bytes per block: ``0.25 + 4 / block`` of fp32's volume, ``0.5 + 8 / block``
-of bf16's (0.266 and 0.531 at ``block=256``), in two all-gathers (the int8 payload and the
+element plus 4 bytes per block: ``0.25 + 1 / block`` of fp32's volume, ``0.5 + 2 / block``
+of bf16's (0.254 and 0.508 at ``block=256``), in two all-gathers (the int8 payload and the
 scales).
 
 Error: rounding to the nearest step of ``absmax / 127`` moves an element by at most
@@ -27,7 +27,7 @@ gets is exactly the gradient of the loss at the dequantized parameters.
 device quantizes every row (each leaf's segment in blocks of its own; int8 with
 ``absmax / 127``, or int4 with ``absmax / 7``, two values packed a byte), sends row j to
 device j in one all-to-all (with the fp32 scales in a second), and each owner dequantizes
-the N parts it receives and sums them in fp32: 0.25 + 4 / block (int8) or 0.125 + 4 /
+the N parts it receives and sums them in fp32: 0.25 + 1 / block (int8) or 0.125 + 1 /
 block (int4) of fp32's volume. Each part is quantized once (no re-quantized partial
 sums), with stochastic rounding: unbiased, so errors average out over devices and steps
 instead of adding up, and within one step, ``absmax / 127`` (int8) or ``absmax / 7``
