@@ -1,29 +1,31 @@
 """Benchmark: ZeRO stages 0-3 and a plain-``jit`` FSDP baseline on the same GPT-style model.
 
 Trains the model of ``examples/gpt.py`` under DP (stage 0), ZeRO stages 1-3 (jzero,
-``manual_gather=True``), five more stage-3 runs (``zero3_bucket``: ``bucket=True``, one
+``manual_gather=True``), six more stage-3 runs (``zero3_bucket``: ``bucket=True``, one
 flat collective per layer; ``zero3_auto``: ``manual_gather=False``, the step gathering per
 layer by itself; ``zero3_prefetch``: that with ``prefetch=True``; ``zero3_int8``:
 ``Precision(gather_quant="int8")``, int8 all-gathers with fp32 block scales;
-``zero3_offload``: ``offload="optimizer"``, optimizer state in ``pinned_host``) and ``auto_fsdp``
-(``jax.jit`` with parameters and optimizer state given ``NamedSharding``s over 'data', XLA
-choosing the collectives), with the same initial parameters, data and ``optax.adamw``,
-and reports per device: model-state bytes (live arrays), compiled peak bytes,
-communication per step (optimized HLO, ring model), collectives per step and step time,
-each beside docs/design.md §1's theory where there is one.
+``zero3_qgz``: ``Precision(grad_quant="int8")``, gradient reduce-scatters as int8
+all-to-alls with fp32 block scales; ``zero3_offload``: ``offload="optimizer"``, optimizer
+state in ``pinned_host``) and ``auto_fsdp`` (``jax.jit`` with parameters and optimizer
+state given ``NamedSharding``s over 'data', XLA choosing the collectives), with the same
+initial parameters, data and ``optax.adamw``, and reports per device: model-state bytes
+(live arrays), compiled peak bytes, communication per step (optimized HLO, ring model),
+collectives per step and step time, each beside docs/design.md §1's theory where there is one.
 
     python scripts/bench.py                        # readable table
     python scripts/bench.py --json out.json        # docs/design.md §5's JSON
     python scripts/bench.py --quick                # small model, few steps (~20 s)
     python scripts/bench.py --checkpoint-only      # checkpoint throughput alone (~1 min)
     python scripts/bench.py --max-model 64MB       # largest model per stage (compile only)
+    python scripts/bench.py --max-model 64MB --max-model-train 5   # ... then train each
 
 ``--quick`` checks only the design targets that hold at any model size (model states and
 dp/zero1/zero2 communication against theory, zero3_bucket's collectives per layer, final
 losses against dp, zero3's variants against zero3, zero3_offload's host bytes); the peak,
-step-time, zero3-communication and zero3_int8 all-gather targets need the full-size model
-and are skipped, saying so. Offload's step time has no target: on CPU host memory is the
-same RAM, so its cost or benefit is a GPU question.
+step-time, zero3-communication, zero3_int8 all-gather and zero3_qgz all-to-all targets
+need the full-size model and are skipped, saying so. Offload's step time has no target
+here: on CPU host memory is the same RAM, so its cost or benefit is a GPU question.
 
 Checkpoint throughput (``--checkpoint``, on by default, off under ``--quick`` unless given;
 ``--checkpoint-only`` skips the training runs): a separate GPT of at least
@@ -36,14 +38,20 @@ first (it compiles); the medians of ``--checkpoint-reps`` more are reported as M
 true (unpadded) state bytes, MB = 1e6 (the export: of the parameters' bytes, all it writes).
 No targets: the figures depend on the machine.
 
-Largest model (``--max-model BUDGET``, alone): the ZeRO paper's Table 2, measured. For DP
-and stages 1-3 over all devices, the most layers of ``examples/gpt.py`` at a fixed width
-(``--d-model``, default 128; ``--heads``, ``--seq-len``, ``--vocab``; global ``--batch``,
-default one sequence per device; fp32, ``adamw``) whose jzero train step
-(``manual_gather=True``) compiles to a peak (as below) <= BUDGET per device, found by
-compiling only (abstract states from ``jax.eval_shape`` of ``init_program``), from a guess
-through one layer and the model-states estimate, then doubling and bisection. Reported
-beside ``jzero.max_params`` for the same budget; target: zero3's params >= 7 x dp's.
+Largest model (``--max-model BUDGET``, alone; ``scripts/max_model.py``): the ZeRO paper's
+Table 2 and ZeRO-Offload's claim, measured. For DP, stages 1-3 and stage 3 with
+``offload="optimizer"`` over all devices (``--max-model-runs``: a subset), the most
+layers of ``examples/gpt.py`` at a fixed width (``--d-model``, default 128; ``--heads``,
+``--seq-len``, ``--vocab``; global ``--batch``, default one sequence per device; fp32,
+``adamw``) whose jzero train step (``manual_gather=True``) compiles to a device peak (as
+below; host memory apart) <= BUDGET per device, found by compiling only (abstract states
+from ``jax.eval_shape`` of ``init_program``), from the estimator's guess, then doubling
+and bisection. Reported beside ``jzero.max_params`` for the same budget; target: zero3's
+params >= 7 x dp's. ``--max-model-train STEPS`` then trains each found model on the
+devices (``--warmup`` + STEPS steps, random tokens) for its time per step and per token;
+target (a GPU's: on CPU host memory is the same RAM): zero3_offload >= 1.8 x zero3's
+params at <= 3 x its time per token. On one GPU, ``--max-model-runs zero3,zero3_offload``
+(every stage holds the same bytes on one device); benchmarks/README.md has the command.
 
 Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Field notes:
 
@@ -55,12 +63,14 @@ Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Fiel
 - ``collectives_per_step``: the HLO collectives times their trip counts, a combined
   (tuple-shaped) one counted once. ``options``: the run's ``train_step`` keywords
   (``manual_gather``, ``bucket``, ``prefetch``) and any ``ZeroOptimizer`` keywords it adds
-  (``precision``: the fields that differ from ``Precision()``; ``offload``); ``{}`` for
-  ``auto_fsdp``.
+  (``precision``: the fields that differ from ``Precision()``, with ``quant_block`` when
+  it quantizes; ``offload``); ``{}`` for ``auto_fsdp``.
 - ``host_bytes_per_device``: the live params + optimizer state + master weights resting
   outside device memory (``report(...).bytes_by_memory_kind``; 0 when none).
 - ``all_gather_bytes_by_dtype``: ``comm_bytes_per_device["all-gather"]`` by HLO element
   type (``s8``: quantized gathers, ``f32`` beside them: their scales).
+  ``all_to_all_bytes_by_dtype``: the all-to-alls (in ``comm_bytes_per_device["other"]``)
+  likewise (``s8``: zero3_qgz's quantized gradient parts, ``f32``: their scales).
 - Scalar all-reduces (loss mean, gradient norm) are included in the measured bytes.
 - On CPU, XLA runs 16-bit collectives in f32: measured bytes of a bf16 model are 2x.
 """
@@ -96,12 +106,13 @@ from jzero.accounting import (
     theory_comm_bytes,
     theory_model_state_bytes,
 )
-from jzero.accounting.estimate import transformer_activation_bytes
 from jzero.cli.units import parse_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data  # noqa: E402  (examples/data.py: bytes of a small public-domain corpus)
 import gpt  # noqa: E402  (examples/gpt.py)
+import max_model  # noqa: E402  (scripts/max_model.py: --max-model)
 
 
 class Run(NamedTuple):
@@ -127,17 +138,26 @@ RUNS = (
     Run("zero3_auto", 3, _opts(manual_gather=False)),
     Run("zero3_prefetch", 3, _opts(manual_gather=False, prefetch=True)),
     Run("zero3_int8", 3, MANUAL, {"precision": jzero.Precision(gather_quant="int8")}),
+    Run("zero3_qgz", 3, MANUAL, {"precision": jzero.Precision(grad_quant="int8")}),
     Run("zero3_offload", 3, MANUAL, {"offload": "optimizer"}),
     Run("auto_fsdp", 3, None),
 )
 # checked against zero3 (the rest against dp)
-ZERO3_VARIANTS = ("zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_offload")
+ZERO3_VARIANTS = (
+    "zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_qgz", "zero3_offload",
+)  # fmt: skip
 # Final loss vs its base run, relative: fp32 rounding of a few-step run summed in another
-# order (default); int8 gathers change the forward's weights, so only close; an offloaded
+# order (default); int8 gathers change the forward's weights, so only close; int8 gradient
+# reduce-scatters (stochastic rounding) move AdamW's trajectory a little: measured 6.6e-6
+# on the full run, 1.1e-5 to 2.0e-4 on --quick (4 seeds) and 3.4e-5 to 1.8e-4 on
+# tests/test_bench.py's one-layer model (3 seeds), so 1e-3, 5x the largest; an offloaded
 # update runs the same equations, so bitwise.
-LOSS_TOL = {"zero3_int8": 0.05, "zero3_offload": 0.0}
+LOSS_TOL = {"zero3_int8": 0.05, "zero3_qgz": 1e-3, "zero3_offload": 0.0}
 LOSS_TOL_DEFAULT = 1e-5
-INT8_GATHER = 0.3  # zero3_int8 / zero3 all-gather bytes (theory 0.25 + 4/quant_block)
+# zero3_int8 / zero3 all-gather bytes: theory 0.25 x (1 + 4 / quant_block) = 0.254, an int8
+# byte per fp32 element and a 4-byte scale per block (more where short segments pad blocks)
+INT8_GATHER = 0.3
+QGZ_COMM = 0.3  # zero3_qgz all-to-all bytes / zero3 reduce-scatter bytes: the same theory
 COMM_KEYS = ("all-reduce", "reduce-scatter", "all-gather", "other", "total")
 
 
@@ -182,10 +202,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only the largest-model search: per stage, the most layers (width --d-model, "
         "default 128) whose compiled step fits BUDGET per device (e.g. 64MB), compiling only",
     )
+    entries = [e.name for e in max_model.ENTRIES]
+    ap.add_argument(
+        "--max-model-runs",
+        help=f"--max-model's subset of {','.join(entries)} (default: all; one GPU: "
+        "zero3,zero3_offload)",
+    )
+    ap.add_argument(
+        "--max-model-train",
+        metavar="STEPS",
+        type=int,
+        default=0,
+        help="after --max-model's search, train each found model --warmup + STEPS steps on "
+        "the devices and report the median time per step and per token (default 0: no)",
+    )
     args = ap.parse_args(argv)
     unknown = set(args.runs.split(",")) - {r.name for r in RUNS}
     if unknown:
         ap.error(f"--runs: unknown {sorted(unknown)}; choose from {[r.name for r in RUNS]}")
+    if args.max_model is None and (args.max_model_train or args.max_model_runs is not None):
+        ap.error("--max-model-runs and --max-model-train need --max-model BUDGET")
+    args.max_model_runs = args.max_model_runs or ",".join(entries)
+    unknown = set(args.max_model_runs.split(",")) - set(entries)
+    if unknown:
+        ap.error(f"--max-model-runs: unknown {sorted(unknown)}; choose from {entries}")
     if args.max_model is not None:
         if args.checkpoint_only or args.checkpoint or args.quick:
             ap.error("--max-model runs alone: drop --checkpoint/--checkpoint-only/--quick")
@@ -193,6 +233,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parse_bytes(args.max_model)
         except ValueError as e:
             ap.error(f"--max-model: {e}")
+        if args.max_model_train < 0:
+            ap.error(f"--max-model-train must be >= 0 steps, got {args.max_model_train}")
         defaults = {"d_model": 128, "seq_len": 64}  # batch: one sequence per device
         for key, value in defaults.items():
             if getattr(args, key) is None:
@@ -262,18 +304,19 @@ def _json_options(run: Run) -> dict[str, Any]:
                 f.name: getattr(value, f.name)
                 for f in dataclasses.fields(value)
                 if getattr(value, f.name) != getattr(default, f.name)
-                or (f.name == "quant_block" and value.gather_quant is not None)
+                or (f.name == "quant_block" and (value.gather_quant or value.grad_quant))
             }
             value = {k: v.name if isinstance(v, np.dtype) else v for k, v in diff.items()}
         out[key] = value
     return out
 
 
-def _all_gather_bytes_by_dtype(colls: list[Collective]) -> dict[str, float]:
-    """Ring-model all-gather bytes per step by HLO element type (``s8``: quantized)."""
+def _bytes_by_dtype(colls: list[Collective], kind: str) -> dict[str, float]:
+    """Ring-model bytes per step of one kind of collective by HLO element type (``s8``,
+    ``u8``: quantized; ``f32`` beside them: their scales)."""
     out: dict[str, float] = {}
     for c in colls:
-        if c.kind == "all-gather":
+        if c.kind == kind:
             out[c.dtype] = out.get(c.dtype, 0.0) + c.ring_bytes * c.trip_count
     return out
 
@@ -289,7 +332,8 @@ def _run_fields(run: Run, losses, times, **fields) -> dict[str, Any]:
         "peak_bytes_per_device": int(fields["peak"]),
         "host_bytes_per_device": int(fields["host"]),
         "comm_bytes_per_device": comm,
-        "all_gather_bytes_by_dtype": _all_gather_bytes_by_dtype(fields["collectives"]),
+        "all_gather_bytes_by_dtype": _bytes_by_dtype(fields["collectives"], "all-gather"),
+        "all_to_all_bytes_by_dtype": _bytes_by_dtype(fields["collectives"], "all-to-all"),
         "theory_comm_bytes_per_device": float(fields["theory_comm"]),
         "collectives_per_step": _count(fields["collectives"]),
         "step_ms_median": float(statistics.median(times)),
@@ -522,200 +566,13 @@ def checkpoint_table(ck: dict[str, Any]) -> str:
     return "\n".join([head, _table.table(rows, right={1, 2, 3, 4})])
 
 
-# ------------------------------------------------------------------ largest model per budget
-# The ZeRO paper's Table 2, measured by compiling only: for each stage, the most layers of
-# examples/gpt.py at a fixed width whose compiled train step fits a per-device budget.
-MAX_MODEL_RUNS = (("dp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
-MAX_MODEL_TARGET = 7.0  # zero3 / dp parameters (theory: N = 8 for model states alone)
-MAX_LAYERS = 100_000
-
-
-def _family_config(args: argparse.Namespace, layers: int) -> gpt.GPTConfig:
-    return gpt.GPTConfig(
-        vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
-        n_heads=args.heads, n_layers=layers, dtype=jnp.float32,
-    )  # fmt: skip
-
-
-def _family_params(args: argparse.Namespace, layers: int) -> int:
-    init_fn = functools.partial(gpt.init_params, _family_config(args, layers), jax.random.key(0))
-    return gpt.count_params(jax.eval_shape(init_fn))
-
-
-def compiled_peak(args: argparse.Namespace, stage: int, layers: int, batch: int) -> int:
-    """``argument + output + temp - alias`` bytes per device of the compiled jzero train step
-    (``manual_gather=True``) of the family's GPT with ``layers`` blocks at ``stage``, over all
-    devices. Compile only: the state and batch are ``ShapeDtypeStruct`` s with shardings."""
-    cfg = _family_config(args, layers)
-    init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(0))
-    mesh = jzero.data_mesh()
-    opt = jzero.ZeroOptimizer(_adamw(), mesh, stage=stage)
-    fn, arg = opt.init_program(init_fn=init_fn)
-    state = jax.eval_shape(fn, arg)  # abstract, with the planned shardings
-    tokens = jax.ShapeDtypeStruct(
-        (batch, cfg.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P("data"))
-    )
-    step = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True)
-    mem = step.lower(state, {"tokens": tokens}).compile().memory_analysis()
-    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-    return int(peak - mem.alias_size_in_bytes)
-
-
-def largest_fitting(
-    peak, budget: float, guess: int, known: dict[int, int] | None = None
-) -> tuple[int, dict[int, int]]:
-    """The largest ``L >= 1`` with ``peak(L) <= budget`` (``peak`` nondecreasing in L), by
-    a doubling search outward from ``guess`` and then bisection; also every ``peak`` known
-    (``known``: peaks computed before) or computed. Raises ValueError if one layer does not
-    fit."""
-    seen: dict[int, int] = dict(known or {})
-
-    def fits(layers: int) -> bool:
-        if layers not in seen:
-            seen[layers] = peak(layers)
-        return seen[layers] <= budget
-
-    over = [L for L, p in seen.items() if p > budget]
-    lo = max([L for L, p in seen.items() if p <= budget], default=0)
-    hi = min(over) if over else None  # peak(lo) fits (lo = 0: none known), peak(hi) does not
-    if lo == 0 and not fits(1):
-        raise ValueError(f"one layer does not fit in {budget:,.0f} bytes: {seen[1]:,} bytes")
-    lo = max(lo, 1)
-    guess = min(max(guess, lo), MAX_LAYERS if hi is None else hi - 1)
-    if fits(guess):
-        lo, step = guess, 1
-        while hi is None or hi - lo > 1 and lo + step < hi:
-            if lo + step > MAX_LAYERS:
-                raise ValueError(f"more than {MAX_LAYERS:,} layers fit in {budget:,.0f} bytes")
-            if fits(lo + step):
-                lo, step = lo + step, 2 * step
-            else:
-                hi = lo + step
-    else:
-        hi, step = guess, 1
-        while hi - step > lo and not fits(hi - step):
-            hi, step = hi - step, 2 * step
-        lo = max(lo, hi - step)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    fits(hi)
-    return lo, seen
-
-
-def bench_max_model(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``max_model`` object (fields: benchmarks/README.md)."""
-    budget = parse_bytes(args.max_model)
-    n = jzero.data_mesh().shape["data"]
-    batch = args.batch if args.batch is not None else n
-    base = _family_params(args, 1)
-    per_layer = _family_params(args, 2) - base
-    base -= per_layer  # params(L) = base + L * per_layer (embeddings, final LayerNorm)
-    start = time.perf_counter()
-    stages = []
-
-    def acts(layers: int) -> float:  # Korthikanti et al.'s 16-bit bytes, x2 for fp32
-        return 2 * transformer_activation_bytes(
-            batch=max(1, batch // n), seq=args.seq_len, hidden=args.d_model,
-            layers=max(1, layers), heads=args.heads, checkpointing=True,
-        )  # fmt: skip
-
-    for name, stage in MAX_MODEL_RUNS:
-        states_only = jzero.max_params(
-            device_memory=budget, devices=n, stage=stage, precision="fp32"
-        )
-
-        def est_bytes(layers: int, stage: int = stage) -> float:
-            return jzero.estimate(
-                params=base + layers * per_layer, devices=n, stage=stage, precision="fp32",
-                largest_layer_params=per_layer, activation_bytes=acts(layers),
-            ).total_bytes  # fmt: skip
-
-        # A first guess from the estimator, one compile there, then a step along the
-        # estimator's bytes per layer to the guess the search starts from.
-        slope = est_bytes(2) - est_bytes(1)
-        guess = max(1, 1 + int((budget - est_bytes(1)) // slope))
-        peak = functools.partial(compiled_peak, args, stage, batch=batch)
-        seen0 = {guess: peak(guess)}
-        guess = max(1, guess + math.floor((budget - seen0[guess]) / slope))
-        layers, seen = largest_fitting(peak, budget, guess, known=seen0)
-        # The estimator with the terms beyond model states, at the found depth: stage 3's
-        # gathered layer (one block), and activations under full checkpointing.
-        full = jzero.max_params(
-            device_memory=budget, devices=n, stage=stage, precision="fp32",
-            largest_layer_params=per_layer, activation_bytes=acts(layers),
-        )  # fmt: skip
-        stages.append({
-            "name": name,
-            "stage": stage,
-            "layers": layers,
-            "params": base + layers * per_layer,
-            "peak_bytes": seen[layers],
-            "next_layers": layers + 1,
-            "next_params": base + (layers + 1) * per_layer,
-            "next_peak_bytes": seen[layers + 1],
-            "estimate_params": int(full),
-            "estimate_params_model_states": int(states_only),
-            "compiles": len(seen),
-        })  # fmt: skip
-    by_name = {s["name"]: s for s in stages}
-    return {
-        "budget": args.max_model,
-        "budget_bytes": int(budget),
-        "devices": n,
-        "family": {
-            "varies": "n_layers",
-            "d_model": args.d_model,
-            "n_heads": args.heads,
-            "seq_len": args.seq_len,
-            "vocab": args.vocab,
-            "batch": batch,
-            "dtype": "float32",
-            "optimizer": ADAMW,
-            "params_base": base,
-            "params_per_layer": per_layer,
-        },
-        "estimate": (
-            "estimate_params: jzero.max_params(precision='fp32', largest_layer_params=one "
-            "block, activation_bytes=2 x transformer_activation_bytes(checkpointing=True) at "
-            "the found layers); estimate_params_model_states: model states only"
-        ),
-        "stages": stages,
-        "zero3_over_dp": by_name["zero3"]["params"] / by_name["dp"]["params"],
-        "target": MAX_MODEL_TARGET,
-        "search_seconds": time.perf_counter() - start,
-    }
-
-
-def max_model_table(mm: dict[str, Any]) -> str:
-    """The ``max_model`` object as a head line, an aligned table (MB = 1e6 bytes) and the
-    zero3 / dp target line."""
-    f = mm["family"]
-    head = (
-        f"largest gpt-L?-d{f['d_model']}-h{f['n_heads']}-T{f['seq_len']}-V{f['vocab']} "
-        f"({f['dtype']}, batch {f['batch']}) whose compiled step fits {mm['budget']} "
-        f"({mm['budget_bytes'] / 1e6:,.1f} MB) per device, {mm['devices']} devices"
-    )
-    rows = [("run", "layers", "params", "peak MB", "L+1 peak MB", "estimate", "states-only est.")]
-    for s in mm["stages"]:
-        rows.append((
-            s["name"], str(s["layers"]), f"{s['params']:,}", f"{s['peak_bytes'] / 1e6:,.2f}",
-            f"{s['next_peak_bytes'] / 1e6:,.2f}", f"{s['estimate_params']:,}",
-            f"{s['estimate_params_model_states']:,}",
-        ))  # fmt: skip
-    ratio, target = mm["zero3_over_dp"], mm["target"]
-    verdict = "PASS" if ratio >= target else "FAIL"
-    line = f"{verdict} zero3 params / dp params {ratio:.2f} >= {target:g}"
-    return "\n".join([head, _table.table(rows, right={1, 2, 3, 4, 5, 6}), line])
-
-
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_model is not None:
         return {
             "platform": jax.devices()[0].platform,
             "devices": jax.device_count(),
             "jax": jax.__version__,
-            "max_model": bench_max_model(args),
+            "max_model": max_model.bench_max_model(args, make_tx=_adamw, optimizer=ADAMW),
         }
     if args.checkpoint_only:
         return {
@@ -813,10 +670,11 @@ QUICK_CHECKS = (
     "layer, final loss vs dp (zero3's variants: vs zero3), zero3_offload host bytes"
 )
 QUICK_SKIPS = (
-    "--quick skips the peak, step-time, zero3 comm and zero3_int8 all-gather targets, which "
-    "hold only at scale: on a small model activations set the peak, collective latency the "
-    "step time, zero3's backward re-gathers a smaller share (zero3_int8's ratio moves with "
-    "it) and short shards carry more scales; run without --quick to check them"
+    "--quick skips the peak, step-time, zero3 comm, zero3_int8 all-gather and zero3_qgz "
+    "all-to-all targets, which hold only at scale: on a small model activations set the "
+    "peak, collective latency the step time, zero3's backward re-gathers a smaller share "
+    "(zero3_int8's ratio moves with it) and short shards carry more scales; run without "
+    "--quick to check them"
 )
 
 
@@ -844,16 +702,22 @@ def _bucket_checks(runs: dict[str, Any], *, layers: int) -> list[tuple[str, bool
     return found
 
 
-def _int8_offload_checks(runs: dict[str, Any]) -> list[tuple[str, bool, str]]:
-    """zero3_int8's all-gather bytes vs zero3's (at scale: a small model's shards are cut
-    into short blocks, each with its fp32 scale) and zero3_offload's state in host memory
-    (any size). Their final losses are checked with the other variants'."""
+def _quant_offload_checks(runs: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """zero3_int8's all-gather bytes vs zero3's and zero3_qgz's all-to-all bytes vs zero3's
+    reduce-scatter bytes (at scale: a small model's shards are cut into short blocks, each
+    with its fp32 scale), and zero3_offload's state in host memory (any size). Their final
+    losses are checked with the other variants'."""
     found = []
     if "zero3_int8" in runs and "zero3" in runs:
         gather = lambda r: r["comm_bytes_per_device"]["all-gather"]
         g = gather(runs["zero3_int8"]) / gather(runs["zero3"])
         text = f"zero3_int8 all-gather bytes / zero3 {g:.3f} <= {INT8_GATHER:g}"
         found.append(("int8 comm", g <= INT8_GATHER, text))
+    if "zero3_qgz" in runs and "zero3" in runs:
+        sent = sum(runs["zero3_qgz"]["all_to_all_bytes_by_dtype"].values())
+        q = sent / runs["zero3"]["comm_bytes_per_device"]["reduce-scatter"]
+        text = f"zero3_qgz all-to-all bytes / zero3 reduce-scatter {q:.3f} <= {QGZ_COMM:g}"
+        found.append(("qgz comm", q <= QGZ_COMM, text))
     if "zero3_offload" in runs:
         h = runs["zero3_offload"]["host_bytes_per_device"]
         found.append(("host", h > 0, f"zero3_offload host bytes {h:,} > 0"))
@@ -900,7 +764,7 @@ def checks(result: dict[str, Any], *, quick: bool = False) -> list[str]:
         found.append(("time", t <= 1.0, f"zero3 time / auto_fsdp {t:.3f} <= 1"))
         found.append(("peak", p <= 1.0, f"zero3 peak / auto_fsdp {p:.3f} <= 1"))
     found += _bucket_checks(runs, layers=result["model"]["layers"])
-    found += _int8_offload_checks(runs)
+    found += _quant_offload_checks(runs)
     lines = [
         f"{'PASS' if ok else 'FAIL'} {text}"
         for target, ok, text in found
@@ -922,7 +786,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "checkpoint" in result:
         print(("\n" if "runs" in result else "") + checkpoint_table(result["checkpoint"]))
     if "max_model" in result:
-        print(max_model_table(result["max_model"]))
+        print(max_model.max_model_table(result["max_model"], platform=result["platform"]))
     return result
 
 
