@@ -2,6 +2,7 @@
 (:func:`from_deepspeed_config`)."""
 
 from .deepspeed import BatchSizes as BatchSizes
-from .deepspeed import DeepSpeedConfigWarning as DeepSpeedConfigWarning
 from .deepspeed import DeepSpeedOptions as DeepSpeedOptions
 from .deepspeed import from_deepspeed_config as from_deepspeed_config
+from .findings import DeepSpeedConfigError as DeepSpeedConfigError
+from .findings import DeepSpeedConfigWarning as DeepSpeedConfigWarning

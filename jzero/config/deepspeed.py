@@ -2,9 +2,11 @@
 
 Every key is looked up in a table (this module's ``TOP``; the ZeRO section's, the
 optimizer's, the schedulers' and precision's in their modules): honoured keys become options,
-keys that change nothing in jzero are listed in one :class:`DeepSpeedConfigWarning` with
-why, and unknown keys or keys jzero cannot honour (offloading to NVMe or offloading
-parameters, Lamb, a fixed loss scale...) raise a ``ValueError`` naming the key.
+keys that change nothing in jzero are listed in one ``DeepSpeedConfigWarning`` with
+why, and every key jzero cannot use -- unknown, of the wrong type, given twice, the Hugging
+Face Trainer's ``"auto"``, or one jzero cannot honour (offloading to NVMe or offloading
+parameters, Lamb, a fixed loss scale...) -- is listed, with why and the fix, in one
+``DeepSpeedConfigError`` once the whole config is read (:mod:`jzero.config.findings`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -23,16 +24,14 @@ from jax.sharding import Mesh
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
-from .keys import Key, Section, no_effect, number, positive
-from .optim import OPTIMIZER, read_optimizer
+from . import jsonc
+from .auto import fill_auto
+from .findings import Findings
+from .keys import Key, Section, attempt, no_effect, number, positive
+from .optim import read_optimizer
 from .precision import COMMUNICATION, read_precision
-from .schedules import SCHEDULER, schedule_from
+from .schedules import read_schedule
 from .zero import read_zero
-
-
-class DeepSpeedConfigWarning(UserWarning):
-    """DeepSpeed keys that jzero accepts but that change nothing, each with why."""
-
 
 LOGGING = no_effect("DeepSpeed's logging and monitoring; jzero.report shows memory and traffic")
 TOP = {
@@ -182,11 +181,23 @@ class DeepSpeedOptions:
         )
 
 
-def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> DeepSpeedOptions:
+def from_deepspeed_config(
+    config: str | os.PathLike | Mapping[str, Any], *, auto: Mapping[str, Any] | None = None
+) -> DeepSpeedOptions:
     """Reads a DeepSpeed JSON config (a path, or the parsed dict) into jzero's options.
 
-    Warns once (:class:`DeepSpeedConfigWarning`) listing the keys that change nothing in
-    jzero, with why; raises ``ValueError`` naming any unknown key or one jzero cannot honour.
+    A file may have comments (``#``, ``//``, ``/* */``), as DeepSpeed's hjson reader allows;
+    a key given twice in one object is refused, as DeepSpeed refuses it. Warns once
+    (:class:`DeepSpeedConfigWarning`) listing the keys that change nothing in jzero, with why
+    -- including an optimizer lr that the scheduler replaces. Raises one
+    :class:`DeepSpeedConfigError` (a ``ValueError``) naming every key jzero cannot use, each
+    with why and the fix.
+
+    Args:
+        config: the config file's path, or its parsed dict.
+        auto: values for the Hugging Face Trainer's ``"auto"`` placeholders, by dotted path
+            (``{"train_micro_batch_size_per_gpu": 8, "optimizer.params.lr": 3e-4}``), as the
+            Trainer fills them from its arguments. Only ``"auto"`` values are filled.
 
     Examples:
         >>> ds = jzero.from_deepspeed_config("examples/deepspeed/zero2_fp16.json")
@@ -194,43 +205,28 @@ def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> Deep
         >>> k = ds.batch_sizes(data_parallel_size=opt.data_size * opt.replica_size).grad_accum
         >>> train_step = opt.train_step(loss_fn, grad_accum=k)
     """
-    if not isinstance(config, Mapping):
-        path = pathlib.Path(config)
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"DeepSpeed config {path} is not valid JSON: {e}.") from None
-    notes: list[str] = []
-    top = Section(config, path="", table=TOP, notes=notes)
-    precision = read_precision(top)
-    zero = read_zero(top)
-    # ZeRO++ qwZ and qgZ: int8 all-gathers and gradient reduce-scatters, blockwise scales.
-    precision = dataclasses.replace(
-        precision, gather_quant=zero.gather_quant, grad_quant=zero.grad_quant
-    )
-    clip = top["gradient_clipping"]
-    if clip < 0:
-        top.refuse("gradient_clipping", "use a positive bound, or 0 for none.")
-    optimizer = read_optimizer(top.section("optimizer", OPTIMIZER)) if "optimizer" in top else None
-    learning_rate = None if optimizer is None else optimizer.lr
-    if "scheduler" in top:
-        learning_rate = schedule_from(
-            top.section("scheduler", SCHEDULER),
-            base_lr=learning_rate,
-            betas=True if optimizer is None else optimizer.betas,
-        )
-    if notes:
-        lines = "\n  ".join(notes)
-        warnings.warn(
-            DeepSpeedConfigWarning(f"DeepSpeed keys with no effect in jzero:\n  {lines}"),
-            stacklevel=2,
-        )
+    findings = Findings()
+    raw = fill_auto(_parsed(config, findings), {} if auto is None else auto, findings)
+    top = Section(raw, path="", table=TOP, findings=findings)
+    precision, zero = attempt(read_precision, top), attempt(read_zero, top)
+    clip = attempt(_clipping, top)
+    optimizer = read_optimizer(top)
+    schedule = read_schedule(top, optimizer)
+    findings.raise_problems()  # all of them; the config is read
+    learning_rate = schedule
+    if schedule is None and optimizer is not None:
+        learning_rate = optimizer.lr
+    tx = None if optimizer is None else clipped(clip, optimizer.tx(learning_rate))
+    findings.warn_notes(stacklevel=2)
     return DeepSpeedOptions(
         stage=zero.stage,
-        precision=precision,
+        # ZeRO++ qwZ and qgZ: int8 all-gathers and gradient reduce-scatters, blockwise scales.
+        precision=dataclasses.replace(
+            precision, gather_quant=zero.gather_quant, grad_quant=zero.grad_quant
+        ),
         offload=zero.offload,
         offload_chunk=zero.offload_chunk,
-        tx=None if optimizer is None else clipped(clip, optimizer.tx(learning_rate)),
+        tx=tx,
         learning_rate=learning_rate,
         gradient_clipping=clip,
         min_shard_size=zero.min_shard_size,
@@ -238,3 +234,34 @@ def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> Deep
         micro_batch_size=top["train_micro_batch_size_per_gpu"],
         grad_accum=top["gradient_accumulation_steps"],
     )
+
+
+def _parsed(config: str | os.PathLike | Mapping[str, Any], findings: Findings) -> Any:
+    """The config's value: ``config`` itself, or its file read (comments allowed); a key
+    given twice in the file is a problem."""
+    if isinstance(config, Mapping):
+        return config
+    path = pathlib.Path(config)
+    try:
+        raw, repeated = jsonc.parse(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"DeepSpeed config {path} is not valid JSON: {e}. jzero reads JSON with comments; "
+            "DeepSpeed's hjson reader also takes quoteless strings and trailing or missing "
+            "commas: write those as JSON."
+        ) from None
+    for key, values in repeated.items():
+        given = ", ".join(map(repr, values))
+        findings.problem(
+            key,
+            f"{key} is given {len(values)} times in one object ({given}); DeepSpeed refuses "
+            "duplicate keys too. Keep one.",
+        )
+    return raw
+
+
+def _clipping(top: Section) -> float:
+    clip = top["gradient_clipping"]
+    if clip < 0:
+        top.refuse("gradient_clipping", "use a positive bound, or 0 for none.")
+    return clip

@@ -1,18 +1,26 @@
 """Reading a DeepSpeed config one JSON object at a time, against a table of its keys.
 
-Every key of an object must be in its table (:class:`Key`): an unknown key raises, naming its
-path and the keys jzero accepts there; a key that jzero cannot honour raises (``refused``)
-or is noted for one warning (``no_effect``), unless its value describes what jzero does
-anyway (``matches``). Nothing is silently ignored.
+Every key of an object must be in its table (:class:`Key`); a key that jzero cannot honour
+is ``refused``, or noted for one warning (``no_effect``), unless its value describes what
+jzero does anyway (``matches``). Nothing is silently ignored, and nothing stops the reading:
+an unknown key, a value of the wrong type, the Hugging Face Trainer's ``"auto"``, a missing
+required key and a refusal are each listed in the :class:`~jzero.config.findings.Findings`,
+to be raised together once the whole config is read. Reading a value whose problem is listed
+raises :class:`Unreadable`, which stops only the reader that needed it (:func:`attempt`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, TypeVar
+
+from .findings import Findings
 
 REQUIRED = object()  # Key.default of a key that must be present
+AUTO = "auto"  # the Hugging Face Trainer's placeholder for a value it fills in
+T = TypeVar("T")
 
 
 def integer(value: Any) -> int:
@@ -85,8 +93,8 @@ class Key:
         default: the value DeepSpeed uses when the key is absent, or ``REQUIRED``.
         no_effect: why the key changes nothing in jzero (warned), unless its value is in
             ``matches``.
-        refused: why jzero cannot run with the key (raised), unless its value is in
-            ``matches``.
+        refused: why jzero cannot run with the key, and the fix (listed in the error),
+            unless its value is in ``matches``.
         matches: values that mean what jzero does anyway.
     """
 
@@ -102,68 +110,125 @@ def no_effect(why: str) -> Key:
     return Key(no_effect=why)
 
 
+class Unreadable(Exception):
+    """A value was read whose problem is already listed in the findings."""
+
+
+def attempt(read: Callable[..., T], *args: Any) -> T | None:
+    """``read(*args)``, or None when it stopped at a value whose problem is already listed:
+    the other readers go on, so one error names every problem."""
+    try:
+        return read(*args)
+    except Unreadable:
+        return None
+
+
 class Section:
     """One JSON object of the config, checked against ``table`` when built.
 
     ``section[key]`` is the checked value, or the key's default; ``key in section`` says
-    whether the config has it. Notes for the warning go to ``notes``.
+    whether the config has it. Problems and notes go to ``findings``; reading a key whose
+    problem is listed (or the whole object's, when it is not an object) raises
+    :class:`Unreadable`.
     """
 
-    def __init__(self, raw: Any, *, path: str, table: Mapping[str, Key], notes: list[str]):
-        self.path, self.table, self.notes = path, table, notes
-        where = f"{path!r}" if path else "the top level"
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"DeepSpeed config: {where} must be a JSON object, got {raw!r}.")
-        unknown = [k for k in raw if k not in table]
-        if unknown:
-            raise ValueError(
-                f"DeepSpeed config: unknown key {self.name(unknown[0])!r}. jzero accepts at "
-                f"{where}: {', '.join(sorted(table))}. Remove the key, or check its spelling."
-            )
-        self.values = {}
+    def __init__(self, raw: Any, *, path: str, table: Mapping[str, Key], findings: Findings):
+        self.path, self.table, self.findings = path, table, findings
+        self.values: dict[str, Any] = {}
+        self.invalid: set[str] = set()  # keys present with a value that failed its check
+        self.readable = isinstance(raw, Mapping)
+        if not self.readable:
+            where = f"{path!r}" if path else "The config"
+            findings.problem(path, f"{where} must be a JSON object, got {raw!r}.")
+            return
         for key, value in raw.items():
-            rule = table[key]
-            try:
-                value = rule.check(value)
-            except TypeError as e:
-                hint = ' ("auto" is filled in by the Hugging Face Trainer)' * (value == "auto")
-                raise ValueError(
-                    f"DeepSpeed config: {self.name(key)} must be {e}, got {value!r}{hint}."
-                ) from None
-            self.values[key] = value
-            if rule.matches and value in rule.matches:
-                continue
-            if rule.refused:
-                self.refuse(key, rule.refused)
-            if rule.no_effect:
-                self.note(key, rule.no_effect)
+            if key in table:
+                self._read(key, value)
+            else:
+                self._unknown(key)
+        for key, rule in table.items():
+            if rule.default is REQUIRED and key not in raw:
+                findings.problem(self.name(key), f"{self.name(key)} is required; add it.")
+
+    def _unknown(self, key: str) -> None:
+        where = f"{self.path!r}" if self.path else "the top level"
+        close = difflib.get_close_matches(key, self.table, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        self.findings.problem(
+            self.name(key),
+            f"unknown key {self.name(key)!r}. jzero accepts at {where}: "
+            f"{', '.join(sorted(self.table))}. Remove the key, or check its spelling{hint}.",
+        )
+
+    def _read(self, key: str, value: Any) -> None:
+        rule = self.table[key]
+        try:
+            checked = rule.check(value)
+        except TypeError as e:
+            self._bad(key, value, f"{self.name(key)} must be {e}, got {value!r}")
+            return
+        if checked == AUTO:  # a check that takes any string (or anything) took it
+            self._bad(key, value, f"{self.name(key)} = {value!r}")
+            return
+        self.values[key] = value = checked
+        if rule.matches and value in rule.matches:
+            return
+        if rule.refused:
+            self.refuse(key, rule.refused)
+        if rule.no_effect:
+            self.note(key, rule.no_effect)
+
+    def _bad(self, key: str, value: Any, what: str) -> None:
+        """``key``'s ``value`` is unusable (``what``): listed, and ``key`` unreadable."""
+        name = self.name(key)
+        self.invalid.add(key)
+        if value != AUTO:
+            self.findings.problem(name, f"{what}.")
+            return
+        self.findings.auto.append(name)
+        self.findings.problem(
+            name,
+            f"{what}, the Hugging Face Trainer's placeholder: write the value, or pass it "
+            "in auto=.",
+        )
 
     def name(self, key: str) -> str:
         """The dotted path of ``key``, e.g. ``zero_optimization.stage``."""
         return f"{self.path}.{key}" if self.path else key
 
     def __contains__(self, key: str) -> bool:
-        return key in self.values
+        return key in self.values or key in self.invalid
 
     def __getitem__(self, key: str) -> Any:
         if key in self.values:
             return self.values[key]
         default = self.table[key].default
-        if default is REQUIRED:
-            raise ValueError(f"DeepSpeed config: {self.name(key)} is required; add it.")
+        if not self.readable or key in self.invalid or default is REQUIRED:
+            raise Unreadable(self.name(key))
         return default
 
     def get(self, key: str, default: Any) -> Any:
         """The checked value of ``key``, or ``default`` (not DeepSpeed's) when absent."""
+        if not self.readable or key in self.invalid:
+            raise Unreadable(self.name(key))
         return self.values.get(key, default)
 
     def section(self, key: str, table: Mapping[str, Key]) -> Section:
         """The object at ``key`` (empty when absent), checked against ``table``."""
-        return Section(self.values.get(key, {}), path=self.name(key), table=table, notes=self.notes)
+        if not self.readable or key in self.invalid:
+            raise Unreadable(self.name(key))
+        return Section(
+            self.values.get(key, {}), path=self.name(key), table=table, findings=self.findings
+        )
 
     def note(self, key: str, why: str) -> None:
-        self.notes.append(f"{self.name(key)}: {why}")
+        """``key`` changes nothing in jzero, because ``why`` (warned once, with the others)."""
+        self.findings.notes.append(f"{self.name(key)}: {why}")
 
-    def refuse(self, key: str, why: str) -> NoReturn:
-        value = f"{self[key]!r}" if key in self else f"{self[key]!r} (absent: DeepSpeed's default)"
-        raise ValueError(f"DeepSpeed config: {self.name(key)} = {value}: {why}")
+    def refuse(self, key: str, why: str) -> None:
+        """``key`` (valid, or absent) cannot be honoured: ``why``, and the fix."""
+        if key in self.values:
+            value = f"{self.values[key]!r}"
+        else:
+            value = f"{self.table[key].default!r} (absent: DeepSpeed's default)"
+        self.findings.problem(self.name(key), f"{self.name(key)} = {value}: {why}")

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import optax
 
-from .keys import REQUIRED, Key, Section, boolean, no_effect, number, pair, string
+from .keys import REQUIRED, Key, Section, attempt, boolean, no_effect, number, pair, string
 
 CLIPPING = Key(refused='DeepSpeed refuses it too; use the top-level "gradient_clipping".')
 GRAD_NONE = no_effect("jzero's gradients exist only inside the step")
@@ -77,8 +77,6 @@ def with_decay(weight_decay: float, tx: optax.GradientTransformation):
 
 def adam(p: Section, lr: optax.ScalarOrSchedule, *, adamw: bool) -> optax.GradientTransformation:
     decoupled = adamw or p["adam_w_mode"]
-    if adamw and "adam_w_mode" in p and not p["adam_w_mode"]:
-        p.note("adam_w_mode", 'type "AdamW" always decouples weight decay, as in DeepSpeed')
     torch_default = 0.01 if decoupled and p["torch_adam"] else 0.0  # torch.optim.AdamW's
     decay = p.get("weight_decay", torch_default)
     (b1, b2), eps = p["betas"], p["eps"]
@@ -88,8 +86,6 @@ def adam(p: Section, lr: optax.ScalarOrSchedule, *, adamw: bool) -> optax.Gradie
 
 
 def sgd(p: Section, lr: optax.ScalarOrSchedule) -> optax.GradientTransformation:
-    if p["nesterov"] and p["momentum"] <= 0:
-        p.refuse("nesterov", "it needs momentum > 0 (torch.optim.SGD refuses it too).")
     tx = optax.sgd(lr, momentum=p["momentum"] or None, nesterov=p["nesterov"])
     return with_decay(p["weight_decay"], tx)
 
@@ -97,6 +93,15 @@ def sgd(p: Section, lr: optax.ScalarOrSchedule) -> optax.GradientTransformation:
 def lion(p: Section, lr: optax.ScalarOrSchedule) -> optax.GradientTransformation:
     (b1, b2), decay = p["betas"], p["weight_decay"]
     return optax.lion(lr, b1=b1, b2=b2, weight_decay=decay)
+
+
+def check_params(kind: str, p: Section) -> None:
+    """What the params of optimizer ``kind`` cannot say, refused or noted while reading (the
+    builders above run only once the whole config is read without a problem)."""
+    if kind == "adamw" and "adam_w_mode" in p and not p["adam_w_mode"]:
+        p.note("adam_w_mode", 'type "AdamW" always decouples weight decay, as in DeepSpeed')
+    if kind == "sgd" and p["nesterov"] and p["momentum"] <= 0:
+        p.refuse("nesterov", "it needs momentum > 0 (torch.optim.SGD refuses it too).")
 
 
 # lower-case type (DeepSpeed compares them so) -> (its params' table, the builder).
@@ -114,25 +119,39 @@ OPTIMIZER = {
 
 
 class Optimizer(NamedTuple):
-    """The config's optimizer, read: its lr and betas are what a scheduler needs."""
+    """The config's optimizer, read: its lr and betas are what a scheduler needs. A field is
+    None where the config's problem (listed in the error) left it unknown."""
 
-    params: Section  # "optimizer.params", checked
-    build: Callable[..., optax.GradientTransformation]  # (params, learning rate) -> tx
-    lr: float  # params.lr, or the optimizer's default
-    betas: bool  # whether it has betas (OneCycle would cycle beta1)
+    params: Section | None  # "optimizer.params", checked
+    build: Callable[..., optax.GradientTransformation] | None  # (params, learning rate) -> tx
+    lr: float | None  # params.lr, or the optimizer's default
+    betas: bool | None  # whether it has betas (OneCycle would cycle beta1)
 
     def tx(self, learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
         return self.build(self.params, learning_rate)
 
 
-def read_optimizer(section: Section) -> Optimizer:
-    """Checks the ``"optimizer"`` object (``section``) and its params."""
+UNKNOWN = Optimizer(None, None, None, None)  # an "optimizer" whose type has a problem
+
+
+def read_optimizer(top: Section) -> Optimizer | None:
+    """Checks the config's ``"optimizer"`` and its params; None when the config has none."""
+    if "optimizer" not in top:
+        return None
+    return attempt(_read, top) or UNKNOWN
+
+
+def _read(top: Section) -> Optimizer:
+    section = top.section("optimizer", OPTIMIZER)
     kind = section["type"].lower()
     if kind in REFUSED:
         section.refuse("type", REFUSED[kind])
+        return UNKNOWN
     if kind not in OPTIMIZERS:
         accepted = ", ".join(f'"{k}"' for k in OPTIMIZERS)
         section.refuse("type", f"jzero maps {accepted} (any case); {OWN_TX}.")
+        return UNKNOWN
     table, build = OPTIMIZERS[kind]
     params = section.section("params", table)
-    return Optimizer(params, build, params["lr"], "betas" in table)
+    attempt(check_params, kind, params)
+    return Optimizer(params, build, attempt(params.__getitem__, "lr"), "betas" in table)

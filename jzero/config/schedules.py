@@ -5,6 +5,10 @@ steps the scheduler after every applied update (an fp16 step skipped for overflo
 step it). So update number ``count`` -- Optax's count of applied updates, which a skipped
 jzero step does not advance either -- uses DeepSpeed's rate at ``last_batch_iteration =
 count - 1``. The formulas are those of ``deepspeed/runtime/lr_schedules.py``, in float32.
+
+Every scheduler but ``WarmupCosineLR`` (which scales the optimizer's lr) sets the rate itself,
+in DeepSpeed as here, so an ``optimizer.params.lr`` next to one is unused: it is warned, with
+the rates used instead.
 """
 
 from __future__ import annotations
@@ -16,7 +20,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .keys import REQUIRED, Key, Section, boolean, integer, no_effect, number, one_of, positive
+from .keys import (
+    REQUIRED,
+    Key,
+    Section,
+    attempt,
+    boolean,
+    integer,
+    no_effect,
+    number,
+    one_of,
+    positive,
+)
+from .optim import Optimizer
 
 # DeepSpeed's warmup fraction gamma(it, W) at iteration it of W: "log" or "linear".
 WARMUP = {
@@ -156,7 +172,7 @@ def lr_range_test(p: Section) -> optax.Schedule:
     return schedule
 
 
-# type -> (its params' table, the builder: (params, optimizer's lr or None, has betas)).
+# type -> (its params' table, the builder: (params, optimizer's lr, has betas)).
 SCHEDULERS: dict[str, tuple[dict[str, Key], Callable[..., optax.Schedule]]] = {
     "WarmupLR": (WARMUP_LR, lambda p, lr, betas: warmup_lr(p)),
     "WarmupDecayLR": (WARMUP_DECAY_LR, lambda p, lr, betas: warmup_lr(p, decay=True)),
@@ -165,12 +181,40 @@ SCHEDULERS: dict[str, tuple[dict[str, Key], Callable[..., optax.Schedule]]] = {
     "LRRangeTest": (LR_RANGE_TEST, lambda p, lr, betas: lr_range_test(p)),
 }
 SCHEDULER = {"type": Key(one_of(*SCHEDULERS), REQUIRED), "params": Key(default={})}
+# The rates that replace the optimizer's lr, by scheduler (WarmupCosineLR scales the lr).
+RATES = {
+    "WarmupLR": "from warmup_min_lr = {warmup_min_lr!r} to warmup_max_lr = {warmup_max_lr!r}",
+    "WarmupDecayLR": "from warmup_min_lr = {warmup_min_lr!r} to warmup_max_lr = "
+    "{warmup_max_lr!r}, then down to 0",
+    "OneCycle": "between cycle_min_lr = {cycle_min_lr!r} and cycle_max_lr = {cycle_max_lr!r}",
+    "LRRangeTest": "from lr_range_test_min_lr = {lr_range_test_min_lr!r} up",
+}
 
 
-def schedule_from(section: Section, *, base_lr: float | None, betas: bool) -> optax.Schedule:
-    """The Optax schedule for the config's ``"scheduler"`` object (``section``)."""
+def read_schedule(top: Section, optimizer: Optimizer | None) -> optax.Schedule | None:
+    """The Optax schedule for the config's ``"scheduler"``; None when it has none. The
+    ``optimizer`` (None: the config has none) gives WarmupCosineLR its lr and OneCycle its
+    betas; an lr that the schedule replaces is noted."""
+    if "scheduler" not in top:
+        return None
+    return attempt(_read, top, optimizer)
+
+
+def _read(top: Section, optimizer: Optimizer | None) -> optax.Schedule:
+    section = top.section("scheduler", SCHEDULER)
     kind = section["type"]
     table, build = SCHEDULERS[kind]
-    if kind == "WarmupCosineLR" and base_lr is None:
+    params = section.section("params", table)
+    if kind == "WarmupCosineLR" and optimizer is None:
         section.refuse("type", 'WarmupCosineLR scales the optimizer\'s lr; add an "optimizer".')
-    return build(section.section("params", table), base_lr, betas)
+    if optimizer is None:  # the caller's own tx, assumed to have betas
+        return build(params, None, True)
+    schedule = build(params, optimizer.lr, optimizer.betas)
+    if kind in RATES and optimizer.params is not None and "lr" in optimizer.params:
+        optimizer.params.note(
+            "lr",
+            f"{optimizer.params['lr']!r} is not used: the scheduler {kind} sets every update's "
+            f"rate, {RATES[kind].format_map(params)}, as in DeepSpeed. Remove "
+            "optimizer.params.lr to silence this.",
+        )
+    return schedule

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
-from .keys import Key, Section, boolean, integer, no_effect, number, one_of, positive
+from .keys import Key, Section, attempt, boolean, integer, no_effect, number, one_of, positive
 
 
 def stage(value: Any) -> int:
@@ -126,6 +126,7 @@ class Zero(NamedTuple):
 def read_zero(top: Section) -> Zero:
     """The options the top level ``top``'s ``"zero_optimization"`` sets."""
     zero = top.section("zero_optimization", ZERO)
+    offload = attempt(_offload, zero)  # before the stage is read: its keys are checked
     stage = zero["stage"]
     gather_quant = "int8" if zero["zero_quantized_weights"] else None
     if gather_quant and stage != 3:
@@ -137,7 +138,6 @@ def read_zero(top: Section) -> Zero:
             "it quantizes the gradient reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 "
             "all-reduces whole gradients; use stage 1, 2 or 3.",
         )
-    offload = _offload(zero)
     return Zero(
         stage, _min_shard_size(zero), offload, gather_quant, grad_quant, _chunk(zero, offload)
     )
