@@ -5,20 +5,21 @@ JSON. The arrays are the run's *weights* (the fp32 master weights under mixed pr
 else the parameters -- the 16-bit parameters are their cast, so nothing is lost), the Optax
 state, the step, the loss-scale state and the model state, each in the layout it had at
 rest (padded where it was partitioned). ``meta`` records, per array, its true shape, dtype
-and a checksum of its true region (:mod:`jzero.core.checksum`), plus the stage, mesh and precision
-it was written with and the caller's ``extra``.
+and a checksum of its true region (:mod:`jzero.core.checksum`), plus the stage, mesh,
+precision and Optax state types it was written with and the caller's ``extra``.
 
 Restoring lays every array out for the *restoring* optimizer's plan: Orbax reads each
 device's region straight from the files (``PyTreeRestore`` with ``strict=False`` truncates or
 zero-pads the padded dimension), after jzero has checked that every true shape and dtype
 matches, and before it verifies every checksum. So a checkpoint written at stage s on N
-devices restores at stage s' on N', in fp32 or 16-bit-with-master precision.
+devices restores at stage s' on N', in fp32 or 16-bit-with-master precision. A checkpoint
+that holds another model or optimizer than the restoring one is reported as that
+(:class:`CheckpointMismatchError`, from the metadata alone), never as a corrupt one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -28,10 +29,20 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..core.checks import check_live
 from ..core.checksum import checksums
 from ..core.optimizer import ZeroOptimizer
+from ..core.plan import Plan
 from ..core.state import ZeroState
-from .format import FORMAT, VERSION, CheckpointError, flatten
+from .checks import check_extra, check_like, check_optimizer
+from .errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+)
+from .format import FORMAT, VERSION, build_meta, flatten, state_types
+from .match import check_match
 from .relayout import assemble_state, restore_targets
 
 logger = logging.getLogger("jzero")
@@ -59,13 +70,28 @@ class Checkpointer:
 
     Each process writes its own shards; saves are asynchronous by default (``save``
     returns once the arrays are copied off the devices, so the next, donating steps are
-    safe). An interrupted save leaves the earlier checkpoints intact.
+    safe). An interrupted or failed save leaves the earlier checkpoints intact.
+
+    Nothing is lost or overwritten silently:
+
+    - A step that exists on disk is never overwritten, whoever wrote it (another
+      ``Checkpointer`` on the same directory, another process, an earlier run): ``save``
+      re-reads the directory's steps before each write and refuses an existing or older
+      step unless ``overwrite=True`` (which replaces that one step).
+    - A save that fails in the background (disk full, permissions, a vanished
+      directory) raises :class:`jzero.checkpoint.CheckpointSaveError`, naming the step
+      and the cause, from the next call that can report it: ``save`` (one that writes;
+      in a single-process run any ``save``), :meth:`wait` or :meth:`close`. ``close``
+      releases Orbax's resources first, so the process can exit.
+    - Reading never creates the directory; a missing one raises
+      :class:`jzero.checkpoint.CheckpointNotFoundError` (a ``FileNotFoundError``).
 
     Args:
-        directory: where the checkpoints go (one sub-directory per step).
+        directory: where the checkpoints go (one sub-directory per step); created by the
+            first save.
         max_to_keep: keep only the newest this many checkpoints (None: all).
-        save_every: ``save(step, ...)`` writes only when ``step`` is a multiple of this
-            (``force=True`` writes anyway).
+        save_every: ``save(step, ...)`` writes only when ``step`` is a multiple of this,
+            or when JAX's preemption sync point is reached (``force=True`` writes anyway).
         async_save: write in the background (call :meth:`wait` or :meth:`close` before
             reading the files or exiting).
 
@@ -94,74 +120,170 @@ class Checkpointer:
         if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
             raise ValueError(f"save_every must be an int >= 1, got {save_every!r}.")
         self.directory = directory
-        options = ocp.CheckpointManagerOptions(
+        self.save_every = save_every
+        # Directories are made in save() itself: when Orbax makes them in the background
+        # and that fails, its other threads wait ~300 s for them and hold the process.
+        self._options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            save_interval_steps=save_every,
             enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
-        self._manager = ocp.CheckpointManager(directory, options=options)
+        self._manager: ocp.CheckpointManager | None = None  # made on first use
+        self._in_flight: int | None = None  # the step of a save not yet known to be on disk
+        self._closed = False
+
+    def _open(self, *, create: bool) -> ocp.CheckpointManager | None:
+        """Orbax's manager; None when the directory does not exist and ``create`` is
+        False (reading never creates it)."""
+        if self._closed:
+            raise RuntimeError(
+                f"this Checkpointer of {self.directory} was closed (close() or the end of "
+                "its with-block); create a new jzero.Checkpointer(directory) to use it again."
+            )
+        if self._manager is None:
+            if not create and not os.path.isdir(self.directory):
+                return None
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+        return self._manager
+
+    def _existing(self) -> ocp.CheckpointManager:
+        manager = self._open(create=False)
+        if manager is None:
+            raise CheckpointNotFoundError(
+                f"checkpoint directory {self.directory} does not exist (nothing was "
+                "created); pass the directory the run saved to."
+            )
+        return manager
 
     # --------------------------------------------------------------------------- saving
-    def save(self, step: int, state: ZeroState, *, extra: Any = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: ZeroState,
+        *,
+        extra: Any = None,
+        force: bool = False,
+        overwrite: bool = False,
+    ) -> bool:
         """Saves ``state`` as checkpoint ``step`` (if ``step`` is due, or ``force``).
 
         Args:
-            step: the checkpoint's number, usually ``int(state.step)``; increasing.
-            state: the :class:`jzero.ZeroState` to save.
-            extra: any JSON-serialisable value saved with it (e.g. the data position).
+            step: the checkpoint's number, usually ``int(state.step)``; newer than every
+                checkpoint in the directory.
+            state: the :class:`jzero.ZeroState` to save (the one the last step returned:
+                a state donated to a step is refused before any buffer is read).
+            extra: JSON saved with it (e.g. the data position) and given back exactly:
+                dicts with str keys, lists, str, bool, None, ints and finite floats.
             force: save even when ``step`` is not a multiple of ``save_every``.
+            overwrite: replace checkpoint ``step`` if it exists (deleted first);
+                without it an existing step is refused.
 
         Returns:
             Whether a save was started.
+
+        Raises:
+            CheckpointSaveError: the previous asynchronous save failed (this one was not
+                started), or this one could not start.
+            ValueError: ``step`` exists (without ``overwrite``) or is older than the newest
+                checkpoint; ``state`` was donated.
         """
         if not isinstance(state, ZeroState):
             raise TypeError(f"save() takes a jzero.ZeroState, got {type(state).__name__}.")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}.")
         step = int(step)
-        latest = self._manager.latest_step()
-        if latest is not None and step <= latest:
-            raise ValueError(
-                f"checkpoint step {step} is not newer than the latest saved step {latest} "
-                f"in {self.directory}; save with a larger step, or use another directory."
-            )
-        try:
-            json.dumps(extra, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"extra must be JSON-serialisable (dicts, lists, str, finite numbers): {e}. "
-                "Convert arrays with .tolist() or int(...)."
-            ) from None
-        if not force and not self._manager.should_save(step):
+        check_live(state)  # before any buffer is read: a donated one can crash the process
+        check_extra(extra)
+        manager = self._open(create=True)
+        due = force or step % self.save_every == 0 or manager.reached_preemption(step)
+        self._report_failed_save(block=due)
+        if not due:
             return False
+        self._check_free(manager, step, overwrite=overwrite)
         arrays, shapes = flatten(state)
         sums = checksums(list(arrays.values()), list(shapes.values()))
-        plan = state.plan
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "stage": plan.stage,
-            "devices": plan.data_size,
-            "mesh": {str(k): int(v) for k, v in plan.mesh.shape.items()},
-            "mixed_precision": plan.master is not None,
-            "param_dtypes": sorted({str(s.dtype) for s in plan.params}),
-            "leaves": {
-                name: {"shape": list(shapes[name]), "dtype": str(x.dtype), "checksum": c}
-                for (name, x), c in zip(arrays.items(), sums)
-            },
-            "extra": extra,
-        }
+        meta = build_meta(state, step, shapes, arrays, sums) | {"extra": extra}
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta))
-        return bool(self._manager.save(step, args=args, force=True))
+        try:
+            started = manager.save(step, args=args, force=True)
+        except Exception as e:  # noqa: BLE001 -- Orbax/tensorstore/OS errors: not saved
+            raise CheckpointSaveError(self._not_saved(step, e)) from e
+        self._in_flight = step if started else None
+        return bool(started)
+
+    def _check_free(self, manager: ocp.CheckpointManager, step: int, *, overwrite: bool) -> None:
+        """``step`` may be written: re-read from disk, since other writers may share the
+        directory."""
+        steps = self.all_steps()
+        newest = f"the newest is {steps[-1]}" if steps else ""
+        if step in steps and overwrite:
+            manager.delete(step)
+        elif step in steps:
+            raise ValueError(
+                f"checkpoint step {step} already exists in {self.directory} (written by this "
+                f"or another Checkpointer; {newest}); save a newer step, or pass "
+                "overwrite=True to replace it."
+            )
+        elif steps and step < steps[-1]:
+            raise ValueError(
+                f"checkpoint step {step} is older than the newest checkpoint in "
+                f"{self.directory} ({newest}, written by this or another Checkpointer); save "
+                "a newer step, delete the newer checkpoints, or use another directory."
+            )
+
+    def _report_failed_save(self, *, block: bool) -> None:
+        """Raises :class:`CheckpointSaveError` if the save in flight failed. Without
+        ``block``, only if it has finished (and only in a single-process run, where no
+        other process has to raise at the same call)."""
+        step, manager = self._in_flight, self._manager
+        if step is None or manager is None:
+            return
+        if not block and (jax.process_count() > 1 or manager.is_saving_in_progress()):
+            return
+        self._in_flight = None
+        try:
+            manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 -- whatever stopped the background write
+            raise CheckpointSaveError(self._not_saved(step, e)) from e
+        manager.reload()
+        if step not in manager.all_steps():
+            raise CheckpointSaveError(
+                f"checkpoint step {step} is not in {self.directory} after its save finished "
+                "(no error was reported; was the directory changed meanwhile?); save again."
+            )
+
+    def _not_saved(self, step: int, e: BaseException) -> str:
+        return (
+            f"checkpoint step {step} was not saved to {self.directory}: "
+            f"{type(e).__name__}: {_first_line(e)}. The checkpoints finished before it are "
+            "intact; fix the cause (disk space, permissions, the directory) and save again."
+        )
 
     def wait(self) -> None:
-        """Blocks until the asynchronous saves in flight are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until the asynchronous save in flight is on disk.
+
+        Raises:
+            CheckpointSaveError: it failed (the message names the step and the cause).
+        """
+        self._open(create=False)  # refuses a closed Checkpointer
+        self._report_failed_save(block=True)
 
     def close(self) -> None:
-        """Waits for saves in flight and releases Orbax's resources."""
-        self._manager.close()
+        """Waits for the save in flight, then releases Orbax's resources (also when that
+        save failed: the error is raised after, so the process can still exit).
+
+        Raises:
+            CheckpointSaveError: the save in flight failed.
+        """
+        if self._closed:
+            return
+        try:
+            self._report_failed_save(block=True)
+        finally:
+            self._closed = True
+            if self._manager is not None:
+                self._manager.close()
+                self._manager = None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -171,9 +293,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------- reading
     def all_steps(self) -> list[int]:
-        """The finished checkpoints' steps, oldest first (not yet verified)."""
-        self._manager.reload()
-        return sorted(self._manager.all_steps())
+        """The finished checkpoints' steps on disk, oldest first (also those written by
+        other writers; not yet verified); none when the directory does not exist."""
+        manager = self._open(create=False)
+        if manager is None:
+            return []
+        manager.reload()
+        return sorted(manager.all_steps())
 
     def latest_step(self) -> int | None:
         """The newest finished checkpoint's step (None: none); see :meth:`restore` for
@@ -183,8 +309,9 @@ class Checkpointer:
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The JSON metadata of checkpoint ``step``."""
+        manager = self._existing()
         try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 -- Orbax raises many kinds; all mean unreadable
             raise CheckpointError(f"checkpoint step {step}: metadata unreadable ({e}).") from e
         meta = meta["meta"]
@@ -201,6 +328,7 @@ class Checkpointer:
         """Reads the named arrays of checkpoint ``step`` (any subset) into ``targets``'
         shapes and shardings: each device reads its own region, the padded dimension
         truncated or zero-filled (``strict=False``). Checks nothing: see :meth:`restore`."""
+        manager = self._existing()
         restore_args = {
             name: ocp.ArrayRestoreArgs(
                 sharding=t.sharding, global_shape=t.shape, dtype=t.dtype, strict=False
@@ -208,7 +336,7 @@ class Checkpointer:
             for name, t in targets.items()
         }
         args = ocp.args.PyTreeRestore(targets, restore_args=restore_args, partial_restore=True)
-        return self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        return manager.restore(step, args=ocp.args.Composite(state=args))["state"]
 
     # ----------------------------------------------------------------------- restoring
     def restore(
@@ -217,7 +345,8 @@ class Checkpointer:
         """Restores a checkpoint into ``opt``'s layout (any stage, device count, precision).
 
         Args:
-            opt: the optimizer to train on with (its mesh, stage and precision).
+            opt: the :class:`jzero.ZeroOptimizer` to train on with (its mesh, stage and
+                precision; its Optax transformation must be the one saved).
             like: the parameters, or their ``jax.ShapeDtypeStruct`` s (e.g.
                 ``jax.eval_shape(init_fn)``): the tree the checkpoint must match.
             step: the checkpoint to restore; None: the newest one that is valid, skipping
@@ -229,46 +358,58 @@ class Checkpointer:
                 rebuilt as nested dicts, keys as their data.
 
         Raises:
-            CheckpointError: no checkpoint, or (``step`` given) this one is invalid: the
-                message names the step and the leaf.
+            CheckpointNotFoundError: the directory does not exist.
+            CheckpointMismatchError: the checkpoint (with ``step=None``: the newest
+                readable one) is intact but holds another parameter tree, true shapes or
+                Optax state than ``opt`` and ``like``: the message names every difference.
+                Never skipped as corrupt.
+            CheckpointError: no checkpoint, or (``step`` given) this one is corrupt or
+                unreadable: the message names the step and the leaf.
         """
-        steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
+        check_optimizer(opt, "restore()")
+        check_like(like)
+        self._existing()  # refuses a closed Checkpointer and a missing directory
+        steps = [int(step)] if step is not None else sorted(self.all_steps(), reverse=True)
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}.")
+        plan = opt.plan(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like))
         skipped: list[tuple[int, str]] = []
         for s in steps:
             try:
-                state, extra = self._restore_step(opt, like, int(s), model_state)
+                state, extra = self._restore_step(opt, plan, s, model_state)
+            except CheckpointMismatchError as e:
+                if not skipped:
+                    raise
+                raise CheckpointMismatchError(
+                    f"{e} (skipped before it: {_reasons(skipped)})"
+                ) from e
             except CheckpointError as e:
                 if step is not None:
                     raise
                 logger.warning("jzero.Checkpointer: skipping step %d: %s", s, e)
-                skipped.append((int(s), str(e)))
+                skipped.append((s, str(e)))
                 continue
-            return Restored(state, int(s), extra, tuple(skipped))
-        reasons = "; ".join(f"step {s}: {r}" for s, r in skipped)
-        raise CheckpointError(f"no valid checkpoint in {self.directory}: {reasons}")
+            return Restored(state, s, extra, tuple(skipped))
+        raise CheckpointError(f"no valid checkpoint in {self.directory}: {_reasons(skipped)}")
 
     def _restore_step(
-        self, opt: ZeroOptimizer, like: Any, step: int, model_state: Any
+        self, opt: ZeroOptimizer, plan: Plan, step: int, model_state: Any
     ) -> tuple[ZeroState, Any]:
-        if step not in self.all_steps():
+        steps = self.all_steps()
+        if step not in steps:
             raise CheckpointError(
-                f"no checkpoint step {step} in {self.directory} (steps: {self.all_steps()})."
+                f"no checkpoint step {step} in {self.directory} (steps: {steps})."
             )
         meta = self.metadata(step)
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
-        plan = opt.plan(shapes)
         stored = meta["leaves"]
-        targets = restore_targets(plan, stored, step, model_state, opt.precision.dynamic_loss_scale)
-        extra_leaves = set(stored) - set(targets)
-        for name in sorted(extra_leaves, key=lambda n: (not n.startswith("weights"), n)):
-            if name.split(".")[0] in ("weights", "opt_state"):
-                raise CheckpointError(
-                    f"checkpoint step {step} has leaf {name!r}, which the restoring model / "
-                    "optimizer does not: the parameter tree or the Optax transformation "
-                    "differs from the one saved."
-                )
+        targets = restore_targets(plan, stored, opt.precision.dynamic_loss_scale)
+        check_match(
+            f"checkpoint step {step} in {self.directory}",
+            meta,
+            targets,
+            opt_state_types=state_types(plan.opt_def),
+            model_state=model_state,
+        )
         try:
             arrays = self.read(step, {k: t for k, (t, _) in targets.items() if k in stored})
         except Exception as e:  # noqa: BLE001 -- tensorstore/Orbax errors: unreadable data
@@ -288,10 +429,16 @@ class Checkpointer:
         return assemble_state(opt, plan, arrays, targets, model_state), meta.get("extra")
 
 
+def _reasons(skipped: list[tuple[int, str]]) -> str:
+    return "; ".join(f"step {s}: {r}" for s, r in skipped)
+
+
 def _first_line(e: BaseException) -> str:
-    """The useful head of an Orbax / tensorstore error (they append whole specs)."""
+    """The useful part of an Orbax / tensorstore error: its first line without the spec
+    they append, shortened in the middle (the OS error, e.g. "File too large", ends it)."""
     text = str(e).strip().split(" See full TensorStore details")[0].splitlines()
-    return text[0][:300].rstrip(".") if text else ""
+    line = text[0].rstrip(".") if text else ""
+    return line if len(line) <= 400 else f"{line[:200]} ... {line[-200:]}"
 
 
 def _leaf_hint(message: str, targets: Mapping[str, Any]) -> str:

@@ -43,6 +43,7 @@ from ..core.layout import unpad
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stored
 from ..core.state import ZeroState
+from .checks import check_optimizer
 from .names import leaf_names
 
 _METADATA = "__metadata__"
@@ -247,8 +248,9 @@ def export_safetensors(
     Returns:
         The tensor names written, in file order.
     """
+    check_optimizer(opt, "export_safetensors()")
+    check_live(state)  # before any buffer is read: a donated one can crash the process
     opt.check_state(state)
-    check_live(state)
     dtype = _export_dtype(dtype)
     plan = state.plan
     source, stored = state.params, plan.params
@@ -304,15 +306,13 @@ def load_safetensors(path: str | os.PathLike, like: Any = None) -> Any:
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: with ``like``, a leaf missing from the file or the file holding a tensor
-            ``like`` lacks, or a shape or dtype differing; the error names the leaf.
+        IsADirectoryError: ``path`` is a directory (e.g. a checkpoint's).
+        ValueError: the file is not safetensors (or is truncated); with ``like``, a leaf
+            missing from the file or the file holding a tensor ``like`` lacks, or a shape or
+            dtype differing; the error names the leaf.
     """
-    from safetensors import safe_open  # optional dependency: only the reader needs it
-
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no safetensors file at {path!r}.")
-    with safe_open(path, framework="numpy") as f:
+    with _open_safetensors(path) as f:
         if like is None:
             return {name: f.get_tensor(name) for name in f.offset_keys()}
         names, treedef = tensor_names(like), jax.tree.structure(like)
@@ -340,3 +340,24 @@ def load_safetensors(path: str | os.PathLike, like: Any = None) -> Any:
                 )
             out.append(f.get_tensor(name))
     return jax.tree.unflatten(treedef, out)
+
+
+def _open_safetensors(path: str) -> Any:
+    """``safe_open(path)``, with errors that say what the file is not and what to pass."""
+    from safetensors import SafetensorError, safe_open  # optional: only the reader needs it
+
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{path!r} is a directory, not a safetensors file. A jzero checkpoint directory "
+            "is restored with jzero.Checkpointer(path).restore(opt, like), or converted with "
+            "`python -m jzero checkpoint export DIR OUT.safetensors`."
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no safetensors file at {path!r}.")
+    try:
+        return safe_open(path, framework="numpy")
+    except SafetensorError as e:
+        raise ValueError(
+            f"{path!r} is not a safetensors file, or is truncated ({e}); pass a file written "
+            "by jzero.checkpoint.export_safetensors or safetensors' save_file."
+        ) from None

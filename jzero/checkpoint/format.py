@@ -16,13 +16,10 @@ import numpy as np
 
 from ..core.plan import Plan, Stored
 from ..core.state import ZeroState
+from .errors import CheckpointError as CheckpointError
 from .names import leaf_names
 
 FORMAT, VERSION = "jzero-checkpoint", 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be restored: missing, corrupt, or of another model."""
 
 
 def leaf_key(group: str, name: str) -> str:
@@ -59,3 +56,44 @@ def flatten(state: ZeroState) -> tuple[dict[str, jax.Array], dict[str, tuple[int
 
 def array_target(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+
+
+def build_meta(
+    state: ZeroState, step: int, shapes: dict[str, tuple[int, ...]], arrays: dict, sums: list
+) -> dict[str, Any]:
+    """The ``meta`` item: per leaf its true shape, dtype and checksum; how it was written
+    (stage, mesh, precision, the Optax state's types); the caller's ``extra`` is added."""
+    plan = state.plan
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "stage": plan.stage,
+        "devices": plan.data_size,
+        "mesh": {str(k): int(v) for k, v in plan.mesh.shape.items()},
+        "mixed_precision": plan.master is not None,
+        "param_dtypes": sorted({str(s.dtype) for s in plan.params}),
+        "opt_state_types": state_types(plan.opt_def),
+        "leaves": {
+            name: {"shape": list(shapes[name]), "dtype": str(x.dtype), "checksum": c}
+            for (name, x), c in zip(arrays.items(), sums)
+        },
+    }
+
+
+def state_types(treedef: Any) -> list[str]:
+    """The class names of an Optax state's NamedTuples, outermost first, e.g.
+    ``['ScaleByAdamState', 'EmptyState']`` for ``optax.adam``: how error messages name the
+    optimizer a checkpoint was written with."""
+    names: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            names.append(type(node).__name__)
+        children = node.values() if isinstance(node, dict) else node
+        if isinstance(node, tuple | list | dict):
+            for child in children:
+                walk(child)
+
+    walk(jax.tree.unflatten(treedef, [0] * treedef.num_leaves))
+    return names

@@ -15,19 +15,17 @@ from ..core.placement import state_shardings, store, view
 from ..core.plan import Plan, Stored
 from ..core.precision import LossScale
 from ..core.state import ZeroState
-from .format import CheckpointError, array_target, leaf_key, weights_stored
+from .format import array_target, leaf_key, weights_stored
 from .names import leaf_names, unflatten_names
 
 
 def restore_targets(
-    plan: Plan,
-    stored: dict[str, Any],
-    step: int,
-    model_state: Any,
-    dynamic_loss_scale: bool,
+    plan: Plan, stored: dict[str, Any], dynamic_loss_scale: bool
 ) -> dict[str, tuple[jax.ShapeDtypeStruct, tuple[int, ...]]]:
-    """``{name: (restore target, true shape)}`` for the restoring plan, checked
-    against what the checkpoint holds."""
+    """``{name: (restore target, true shape)}`` for the restoring plan: the step, the
+    weights and the Optax state as ``plan`` lays them out, the loss scale when both sides
+    keep one, and the model state as the checkpoint holds it (replicated). Compare them
+    with the checkpoint with :func:`jzero.checkpoint.match.check_match` before reading."""
     replicated = plan.sharding(P())
     out = {"step": (array_target((), jnp.int32, replicated), ())}
     weights = jax.tree.unflatten(plan.params_def, weights_stored(plan))
@@ -47,34 +45,14 @@ def restore_targets(
     if dynamic_loss_scale and "loss_scale.scale" in stored:
         out["loss_scale.scale"] = (array_target((), jnp.float32, replicated), ())
         out["loss_scale.good_steps"] = (array_target((), jnp.int32, replicated), ())
-    names = [n for n in stored if n.startswith("model_state.") or n == "model_state"]
-    if model_state is not None:
-        like_names = [leaf_key("model_state", n) for n in leaf_names(model_state)]
-        if sorted(like_names) != sorted(names):
-            raise CheckpointError(
-                f"checkpoint step {step}: its model state has leaves {sorted(names)}, but "
-                f"model_state= has {sorted(like_names)}."
-            )
-    for name in names:
+    for name in model_state_names(stored):
         shape = tuple(stored[name]["shape"])
         out[name] = (array_target(shape, stored[name]["dtype"], replicated), shape)
-    for name, (target, shape) in out.items():
-        if name not in stored:
-            if name.startswith(("weights", "opt_state")) or name == "step":
-                raise CheckpointError(
-                    f"checkpoint step {step} has no leaf {name!r}: the parameter tree or "
-                    "the Optax transformation differs from the one saved."
-                )
-            continue
-        want = (list(shape), str(target.dtype))
-        got = (stored[name]["shape"], stored[name]["dtype"])
-        if want != got:
-            raise CheckpointError(
-                f"checkpoint step {step}: leaf {name!r} is {got[1]}{got[0]} in the "
-                f"checkpoint but {want[1]}{want[0]} in the restoring model; restore into "
-                "the model that was saved (true shapes and dtypes must match)."
-            )
     return out
+
+
+def model_state_names(stored: dict[str, Any]) -> list[str]:
+    return [n for n in stored if n.startswith("model_state.") or n == "model_state"]
 
 
 def _is_key(x: Any) -> bool:

@@ -1,0 +1,31 @@
+"""What can go wrong with a checkpoint, as exception types a caller can tell apart.
+
+Every one is a :class:`CheckpointError` (a ``ValueError``), so ``except CheckpointError``
+catches them all; the subclasses say *whose* problem it is:
+
+- :class:`CheckpointMismatchError`: the checkpoint is intact, but it holds another model or
+  optimizer than the one restored into -- the caller's to fix, never skipped as corrupt.
+- :class:`CheckpointNotFoundError`: the directory does not exist (also a
+  ``FileNotFoundError``); nothing was created.
+- :class:`CheckpointSaveError`: a save failed (often in the background, reported at the
+  next call); the checkpoints written before it are intact.
+- A plain :class:`CheckpointError`: the checkpoint is missing, unreadable or corrupt.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored: missing, corrupt, or of another model."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """An intact checkpoint that does not match the model / optimizer it is restored into."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory does not exist."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that did not reach the disk: its step was not written."""
