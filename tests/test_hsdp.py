@@ -23,7 +23,7 @@ from _models import (
     stacked_loss,
     stacked_params,
 )
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
@@ -154,6 +154,26 @@ def test_grad_accum_model_state_and_aux_average_over_both_axes(stage):
 
 
 # ------------------------------------------------------------------------------ shardings
+@pytest.mark.parametrize("names", [("replica", "data"), ("data", "replica")])
+def test_global_batch_splits_the_rows_over_every_batch_axis(names):
+    # As the step splits them; across real processes: tests/test_multiprocess_launch.py.
+    mesh = jax.make_mesh(
+        (2, 4) if names[0] == "replica" else (4, 2), names, axis_types=(AxisType.Auto,) * 2
+    )
+    batches = awkward_batches(STEPS)
+    placed = [jzero.distributed.global_batch(mesh, b) for b in batches]
+    for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(batches)):
+        assert got.sharding == NamedSharding(mesh, P(("replica", "data")))
+        assert got.addressable_shards[0].data.shape == (2, *want.shape[1:])  # 16 rows / 8
+        np.testing.assert_array_equal(got, want)
+    _, state, losses = _train(mesh, 3, TXS["adam"](), batches=placed)
+    _, plain_state, plain_losses = _train(mesh, 3, TXS["adam"](), batches=batches)
+    assert losses == plain_losses
+    _close(state.params, plain_state.params, 0, 0)
+    with pytest.raises(ValueError, match=r"split over its 8 devices on \('replica', 'data'\)"):
+        jzero.distributed.global_batch(mesh, awkward_batches(1, batch_size=12)[0])
+
+
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_stored_leaf_is_sharded_over_data_and_replicated_across_replica(stage, shape):

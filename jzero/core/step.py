@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from .axis_alias import alias_mesh
 from .axis_names import check_aliases
 from .backward import local_grads
+from .batch_sharding import check_batch_sharding
 from .checks import check_batch, check_global_batch, check_live, check_state
 from .comm.collectives import all_gather
 from .layout import pad, unpad
@@ -38,16 +39,20 @@ Metrics = dict[str, Any]
 class TrainStep:
     """The jitted ``step(state, batch) -> (state, metrics)``, refusing a consumed state.
 
+    In a run of several processes it refuses a global batch that is not split over the
+    mesh's batch axes (:mod:`.batch_sharding`).
+
     ``lower(state, batch)`` gives the jitted program's lowering (for
     :func:`jzero.report` and ``.compile().memory_analysis()``).
     """
 
-    def __init__(self, jitted: Any, donate: bool):
-        self._jitted, self._donate = jitted, donate
+    def __init__(self, jitted: Any, donate: bool, *, mesh: Mesh):
+        self._jitted, self._donate, self._mesh = jitted, donate, mesh
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_live(state)
         check_global_batch(batch)
+        check_batch_sharding(batch, self._mesh)
         return self._jitted(state, batch)
 
     def lower(self, state: ZeroState, batch: Any) -> Any:
@@ -202,7 +207,7 @@ def make_train_step(
             metrics |= {"loss_scale": scale, "skipped": (~finite).astype(jnp.int32)}
         return new_state.replace(step=state.step + 1, model_state=model_state), metrics
 
-    return TrainStep(jax.jit(step, donate_argnums=0 if donate else ()), donate)
+    return TrainStep(jax.jit(step, donate_argnums=0 if donate else ()), donate, mesh=mesh)
 
 
 def _update(
