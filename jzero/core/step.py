@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .agreement import Agreement
 from .axis_alias import alias_mesh
 from .axis_names import check_aliases
 from .backward import local_grads
@@ -39,17 +40,23 @@ Metrics = dict[str, Any]
 class TrainStep:
     """The jitted ``step(state, batch) -> (state, metrics)``, refusing a consumed state.
 
-    In a run of several processes it refuses a global batch that is not split over the
-    mesh's batch axes (:mod:`.batch_sharding`).
+    In a run of several processes it first compares, once per new batch layout, the
+    configuration every process runs with (:mod:`.agreement`: a mismatch is named on every
+    process instead of hanging in the first collective), then refuses a global batch that
+    is not split over the mesh's batch axes (:mod:`.batch_sharding`).
 
     ``lower(state, batch)`` gives the jitted program's lowering (for
     :func:`jzero.report` and ``.compile().memory_analysis()``).
     """
 
-    def __init__(self, jitted: Any, donate: bool, *, mesh: Mesh):
-        self._jitted, self._donate, self._mesh = jitted, donate, mesh
+    def __init__(self, jitted: Any, donate: bool, *, mesh: Mesh, agreement: Agreement):
+        self._jitted, self._donate = jitted, donate
+        self._mesh, self._agreement = mesh, agreement
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        # First, so that the checks below fail alike on every process (multi-process runs:
+        # one small gather per new batch layout, before the step's first collective).
+        self._agreement.check(state, batch)
         check_live(state)
         check_global_batch(batch)
         check_batch_sharding(batch, self._mesh)
@@ -207,7 +214,21 @@ def make_train_step(
             metrics |= {"loss_scale": scale, "skipped": (~finite).astype(jnp.int32)}
         return new_state.replace(step=state.step + 1, model_state=model_state), metrics
 
-    return TrainStep(jax.jit(step, donate_argnums=0 if donate else ()), donate, mesh=mesh)
+    options = dict(
+        offload=offload,
+        manual_gather=manual_gather,
+        grad_accum=grad_accum,
+        with_model_state=with_model_state,
+        has_aux=has_aux,
+        donate=donate,
+        per_device_rng=per_device_rng,
+        axis_name=axis_name,
+        bucket=bucket,
+        prefetch=prefetch,
+    )
+    agreement = Agreement(stage=stage, mesh=mesh, precision=precision, options=options)
+    jitted = jax.jit(step, donate_argnums=0 if donate else ())
+    return TrainStep(jitted, donate, mesh=mesh, agreement=agreement)
 
 
 def _update(
