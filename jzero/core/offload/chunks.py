@@ -11,35 +11,28 @@ DeepSpeed's ``sub_group_size`` bounds its optimizer sub-steps. Each chunk evalua
 bucket's own traced equations (a ``broadcast_in_dim`` of a scalar gets the chunk's
 shape), so the result is the whole bucket's, element for element.
 
-Elementwise is decided from the jaxpr: every equation's primitive is in
-:data:`ELEMENTWISE` (or is a ``jit`` of such equations), ``broadcast_in_dim`` only
-broadcasts a scalar, and every non-scalar operand and result has the leaf's shape.
-Anything else (Adafactor's factored moments, a per-leaf norm) stays whole.
+Elementwise is decided from the jaxpr: every equation's primitive is elementwise
+(:data:`jzero.internal.primitives.ELEMENTWISE`, or a ``jit`` of such equations),
+``broadcast_in_dim`` only broadcasts a scalar, and every non-scalar operand and result
+has the leaf's shape. Anything else (Adafactor's factored moments, a per-leaf norm) stays
+whole. A chunk is evaluated by jzero's jaxpr interpreter (:mod:`jzero.internal.interpret`)
+under :class:`_ChunkRules`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any, NamedTuple
 
 import jax
-from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
-from ..jaxprs import bind
+from ...internal import interpret
+from ...internal.equation import Equation, Jaxpr, equations
+from ...internal.interpret import Rules, bind, run, value
+from ...internal.primitives import Kind
 from ..plan import Plan
 from .split import Bucket, Split
-
-ELEMENTWISE = frozenset(
-    {
-        *("add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "clamp"),
-        *("sqrt", "rsqrt", "cbrt", "pow", "integer_pow", "square", "exp", "exp2", "log"),
-        *("log1p", "expm1", "tanh", "logistic", "select_n", "convert_element_type", "copy"),
-        *("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "is_finite"),
-        "reduce_precision",
-    }
-)
-"""Primitives that map each element of their operands to the same element of the result."""
 
 
 class Cut(NamedTuple):
@@ -81,7 +74,7 @@ def cuts(split: Split, bucket: Bucket, plan: Plan, chunk: int | None) -> tuple[C
     layouts += [] if plan.master is None else [plan.master[i].layout]
     if size <= chunk or any(lay.shape != shape for lay in layouts):
         return None
-    if not elementwise(split.jaxpr.jaxpr, bucket.eqns, shape):
+    if not elementwise(split.jaxpr.jaxpr, bucket.equations, shape):
         return None
     entry = lambda spec, a: spec[a] if a < len(spec) else None
     free = [
@@ -100,45 +93,73 @@ def cuts(split: Split, bucket: Bucket, plan: Plan, chunk: int | None) -> tuple[C
 
 def elementwise(jaxpr: Jaxpr, eqns: Iterable[int], shape: tuple[int, ...]) -> bool:
     """Whether the given equations of ``jaxpr`` are elementwise over leaves of ``shape``."""
-    return all(_elementwise(jaxpr.eqns[e], shape) for e in eqns)
+    all_eqns = equations(jaxpr)
+    return all(_elementwise(all_eqns[e], shape) for e in eqns)
 
 
-def _elementwise(eqn: JaxprEqn, shape: tuple[int, ...]) -> bool:
-    if any(v.aval.shape not in ((), shape) for v in (*eqn.invars, *eqn.outvars)):
+def _elementwise(eqn: Equation, shape: tuple[int, ...]) -> bool:
+    if any(s not in ((), shape) for s in eqn.shapes):
         return False
-    name = eqn.primitive.name
-    if name == "jit":
-        inner = eqn.params["jaxpr"]
+    if eqn.kind is Kind.CALL:
+        inner = eqn.call()
         consts = all(getattr(c, "shape", ()) in ((), shape) for c in inner.consts)
-        return consts and all(_elementwise(e, shape) for e in inner.jaxpr.eqns)
-    if name == "broadcast_in_dim":
-        return eqn.invars[0].aval.shape == () and eqn.params.get("sharding") is None
-    return name in ELEMENTWISE
+        return consts and all(_elementwise(e, shape) for e in equations(inner))
+    if eqn.kind is Kind.BROADCAST:
+        return eqn.broadcasts_scalar
+    return eqn.kind is Kind.ELEMENTWISE
+
+
+class _Scope(MutableMapping):
+    """The values one chunk's equations see: those evaluated in the chunk (``local``), or
+    whole ones from ``whole`` (a gradient, a global value), sliced to the chunk on first
+    read unless they are scalars."""
+
+    def __init__(self, local: dict, whole: dict, cut: Cut):
+        self.local, self.whole, self.cut = local, whole, cut
+
+    def __getitem__(self, v: Any) -> Any:
+        if v not in self.local:
+            x = self.whole[v]
+            self.local[v] = x if jax.numpy.ndim(x) == 0 else self.cut.take(x)
+        return self.local[v]
+
+    def __setitem__(self, v: Any, x: Any) -> None:
+        self.local[v] = x
+
+    def __delitem__(self, v: Any) -> None:
+        del self.local[v]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.local)
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+class _ChunkRules(Rules):
+    """Elementwise equations on one chunk: a ``jit`` inlined, so that its shapes become
+    the chunk's; a ``broadcast_in_dim`` of a scalar to the chunk's shape."""
+
+    def __init__(self, cut: Cut):
+        self.cut = cut
+
+    def scope(self, consts: dict) -> MutableMapping:
+        return _Scope({}, consts, self.cut)
+
+    def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
+        if eqn.kind is Kind.CALL:
+            return run(eqn.call(), values, self)
+        if eqn.kind is Kind.BROADCAST:
+            return bind(eqn, values, eqn.broadcast_to(self.cut.shape))
+        return None
 
 
 def read(v: Any, env: dict, local: dict, cut: Cut) -> Any:
     """The chunk's value of a jaxpr atom: evaluated in the chunk (``local``), or whole in
     ``env`` (a gradient, a global value; sliced to the chunk unless it is a scalar)."""
-    if isinstance(v, Literal):
-        return v.val
-    if v not in local:
-        x = env[v]
-        local[v] = x if jax.numpy.ndim(x) == 0 else cut.take(x)
-    return local[v]
+    return value(_Scope(local, env, cut), v)
 
 
 def evaluate(jaxpr: Jaxpr, eqns: Iterable[int], env: dict, local: dict, cut: Cut) -> None:
     """Evaluates elementwise equations of ``jaxpr`` on one chunk, writing ``local``."""
-    for e in eqns:
-        eqn = jaxpr.eqns[e]
-        args = [read(v, env, local, cut) for v in eqn.invars]
-        if eqn.primitive.name == "jit":  # inlined, so that its shapes become the chunk's
-            inner, consts = eqn.params["jaxpr"].jaxpr, eqn.params["jaxpr"].consts
-            whole, scope = dict(zip(inner.constvars, consts)), dict(zip(inner.invars, args))
-            evaluate(inner, range(len(inner.eqns)), whole, scope, cut)
-            outs = [read(v, whole, scope, cut) for v in inner.outvars]
-        elif eqn.primitive.name == "broadcast_in_dim":
-            outs = bind(eqn, args, {**eqn.params, "shape": cut.shape(eqn.params["shape"])})
-        else:
-            outs = bind(eqn, args)
-        local.update(zip(eqn.outvars, outs))
+    interpret.evaluate(jaxpr, _Scope(local, env, cut), _ChunkRules(cut), eqns)

@@ -26,9 +26,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.extend.core import ClosedJaxpr, Literal
 
-from ..jaxprs import bind, read
+from ...internal import interpret
+from ...internal.equation import ClosedJaxpr, equations, is_literal
 from ..plan import Plan
 
 
@@ -37,7 +37,7 @@ class Bucket(NamedTuple):
 
     params: tuple[int, ...]  # parameter (and gradient) leaves: their weights are copied in
     opt: tuple[int, ...]  # Optax-state leaves copied in and written back
-    eqns: tuple[int, ...]  # the traced equations this part evaluates, in order
+    equations: tuple[int, ...]  # the traced equations this part evaluates, in order
 
 
 class Split(NamedTuple):
@@ -83,27 +83,27 @@ def _cut(jaxpr: Any, labels: list[int], hard: list[bool]) -> tuple[set[int], dic
     is_hard = {v for v, h in zip(jaxpr.invars, hard) if h}
     made_by: dict[Any, int] = {}
     first: set[int] = set()
+    eqns = equations(jaxpr)
 
     def promote(e: int) -> bool:  # e and its producers to the global part
         if e in first:
             return True
-        eqn = jaxpr.eqns[e]
-        if any(v in is_hard for v in eqn.outvars):
+        eqn = eqns[e]
+        if any(v in is_hard for v in eqn.outputs):
             return False
         first.add(e)
-        for v in eqn.outvars:
+        for v in eqn.outputs:
             leaf.pop(v, None)
-        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
-        return all(promote(made_by[v]) for v in ins if v in made_by and v in leaf)
+        return all(promote(made_by[v]) for v in eqn.variables if v in made_by and v in leaf)
 
-    for e, eqn in enumerate(jaxpr.eqns):
-        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+    for e, eqn in enumerate(eqns):
+        ins = eqn.variables
         owners = {leaf[v] for v in ins if v in leaf}
-        made_by.update(dict.fromkeys(eqn.outvars, e))
+        made_by.update(dict.fromkeys(eqn.outputs, e))
         if len(owners) <= 1 and owners:
-            leaf.update(dict.fromkeys(eqn.outvars, owners.pop()))
+            leaf.update(dict.fromkeys(eqn.outputs, owners.pop()))
             if any(v in is_hard for v in ins):
-                is_hard.update(eqn.outvars)
+                is_hard.update(eqn.outputs)
         elif not owners:
             first.add(e)
         else:
@@ -122,9 +122,9 @@ def split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
     opt = [jax.ShapeDtypeStruct(s.layout.shape, s.dtype) for s in plan.opt]
     trees = jax.tree.unflatten(plan.params_def, params), jax.tree.unflatten(plan.opt_def, opt)
     closed = jax.make_jaxpr(tx.update)(trees[0], trees[1], trees[0])
-    n, m, jaxpr = len(params), len(opt), closed.jaxpr
+    n, m, jaxpr, eqns = len(params), len(opt), closed.jaxpr, equations(closed)
     whole = Split(
-        closed, (), (Bucket(tuple(range(n)), tuple(range(m)), tuple(range(len(jaxpr.eqns)))),), ()
+        closed, (), (Bucket(tuple(range(n)), tuple(range(m)), tuple(range(len(eqns)))),), ()
     )
     owners = _owners(tx, plan, trees[1])
     if owners is None or n < 2:
@@ -136,10 +136,10 @@ def split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
         return whole
     first, leaf = cut
     writes = [*range(n), *owners]  # the leaf each output belongs to (-1: shared)
-    outs = [(v, w) for v, w in zip(jaxpr.outvars, writes) if not isinstance(v, Literal)]
+    outs = [(v, w) for v, w in zip(jaxpr.outvars, writes) if not is_literal(v)]
     if any(v in leaf and leaf[v] != w for v, w in outs):  # e.g. a state leaf written
         return whole  # from another leaf's values
-    eqn_leaf = [leaf.get(eqn.outvars[0]) if eqn.outvars else None for eqn in jaxpr.eqns]
+    eqn_leaf = [leaf.get(eqn.outputs[0]) if eqn.outputs else None for eqn in eqns]
     buckets = tuple(
         Bucket(
             (i,),
@@ -153,7 +153,6 @@ def split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
 
 
 def evaluate(split: Split, eqns: tuple[int, ...], env: dict) -> None:
-    """Evaluates the given equations of ``split.jaxpr`` in order, reading and writing ``env``."""
-    for e in eqns:
-        eqn = split.jaxpr.jaxpr.eqns[e]
-        env.update(zip(eqn.outvars, bind(eqn, [read(env, v) for v in eqn.invars])))
+    """Evaluates the given equations of ``split.jaxpr`` in order, reading and writing
+    ``env``: each exactly as traced."""
+    interpret.evaluate(split.jaxpr, env, interpret.Rules(), eqns)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..jaxprs import read
+from ...internal.interpret import value as read
 from ..placement import store, to_device, to_host, view
 from ..plan import DEFAULT_OFFLOAD_CHUNK, HOST, Plan, Stored
 from ..precision import Precision
@@ -167,9 +167,9 @@ def _run(split: Split, bucket: Bucket, env: dict, inputs: dict, cut: Cut | None)
     of its values."""
     if cut is None:
         env |= inputs
-        evaluate(split, bucket.eqns, env)
+        evaluate(split, bucket.equations, env)
         return lambda v: read(env, v)
-    chunks.evaluate(split.jaxpr.jaxpr, bucket.eqns, env, inputs, cut)
+    chunks.evaluate(split.jaxpr.jaxpr, bucket.equations, env, inputs, cut)
     return lambda v: chunks.read(v, env, inputs, cut)
 
 

@@ -1,0 +1,225 @@
+"""One traced equation as jzero's rules read it, and walks over (nested) jaxprs.
+
+:class:`Equation` hides the primitive parameter names and operand orders jzero relies
+on: a rule asks for an equation's :class:`~.primitives.Kind`, its axis names, or a view
+of a higher-order primitive's parts (:class:`Scan`, :class:`Cond`, :class:`While`,
+:class:`Remat`, a call's body, a ``custom_vjp`` function's arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+
+from .primitives import AXIS_PARAMS, Kind, api_name, kind, traced_varying_axes
+
+
+class Scan(NamedTuple):
+    """A ``lax.scan`` equation's operands and parameters."""
+
+    consts: list  # operands every iteration reads unchanged
+    init: list  # the initial carry
+    xs: list  # the scanned operands (leading axis: iterations)
+    body: ClosedJaxpr  # (*body consts, *consts, *carry, *x slices) -> (*carry, *y slices)
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+class Cond(NamedTuple):
+    """A ``lax.cond`` / ``lax.switch`` equation: ``branches[index](*operands)``."""
+
+    index: Any
+    branches: tuple[ClosedJaxpr, ...]
+    operands: list
+
+
+class While(NamedTuple):
+    """A ``lax.while_loop`` equation."""
+
+    cond_consts: list
+    body_consts: list
+    init: list
+    cond: ClosedJaxpr  # (*cond_consts, *carry) -> (keep going,)
+    body: ClosedJaxpr  # (*body_consts, *carry) -> (*carry,)
+
+
+class Remat(NamedTuple):
+    """A ``jax.checkpoint`` equation's body and options."""
+
+    body: ClosedJaxpr
+    policy: Callable[..., Any] | None
+    prevent_cse: bool
+
+
+def closed(jaxpr: ClosedJaxpr | Jaxpr) -> ClosedJaxpr:
+    """``jaxpr`` as a :class:`ClosedJaxpr` (an open one has no constants)."""
+    return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, [])
+
+
+def is_literal(atom: Var | Literal) -> bool:
+    return isinstance(atom, Literal)
+
+
+class Equation:
+    """One equation of a traced jaxpr."""
+
+    __slots__ = ("jaxpr_eqn",)
+
+    def __init__(self, jaxpr_eqn: JaxprEqn):
+        self.jaxpr_eqn = jaxpr_eqn  # for :mod:`.interpret` alone, which binds it
+
+    def __repr__(self) -> str:
+        return f"Equation({self.jaxpr_eqn})"
+
+    @property
+    def kind(self) -> Kind:
+        return kind(self.jaxpr_eqn.primitive)
+
+    @property
+    def api_name(self) -> str:
+        """The ``jax.lax`` function that binds this equation's primitive, for messages."""
+        return api_name(self.jaxpr_eqn.primitive)
+
+    @property
+    def inputs(self) -> tuple[Var | Literal, ...]:
+        return tuple(self.jaxpr_eqn.invars)
+
+    @property
+    def outputs(self) -> tuple[Var, ...]:
+        return tuple(self.jaxpr_eqn.outvars)
+
+    @property
+    def variables(self) -> tuple[Var, ...]:
+        """The inputs that are variables (not literals)."""
+        return tuple(v for v in self.jaxpr_eqn.invars if not isinstance(v, Literal))
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the inputs, then of the outputs."""
+        return tuple(v.aval.shape for v in (*self.jaxpr_eqn.invars, *self.jaxpr_eqn.outvars))
+
+    @property
+    def where(self) -> str:
+        """The innermost source line outside JAX that traced this equation (``file:line
+        (function)``); '' when JAX recorded none (it keeps a limited number of frames)."""
+        return source_info_util.summarize(self.jaxpr_eqn.source_info)
+
+    # Collectives
+
+    @property
+    def axes(self) -> Any:
+        """The mesh axes a collective names, as its ``axes`` / ``axis_name`` parameter holds
+        them (a name or a tuple; a reduction's ``axes`` are positions, ints); None for a
+        primitive with neither parameter."""
+        params = self.jaxpr_eqn.params
+        return next((params[k] for k in AXIS_PARAMS if k in params), None)
+
+    @property
+    def axis_names(self) -> frozenset:
+        """The mesh axis names in :attr:`axes`, as a set."""
+        names = self.axes
+        names = (names,) if isinstance(names, str) else names
+        return frozenset(n for n in names or () if isinstance(n, str))
+
+    def renamed(self, rename: Callable[[Any], Any]) -> dict[str, Any]:
+        """The parameters with every axes parameter ``p`` replaced by ``rename(p)``."""
+        params = self.jaxpr_eqn.params
+        return {k: rename(v) if k in AXIS_PARAMS else v for k, v in params.items()}
+
+    # Higher-order primitives
+
+    @property
+    def subjaxprs(self) -> tuple[ClosedJaxpr, ...]:
+        """The jaxprs this equation's parameters hold (bodies, branches), closed."""
+        out = []
+        for v in self.jaxpr_eqn.params.values():
+            for j in v if isinstance(v, tuple | list) else (v,):
+                if isinstance(j, ClosedJaxpr | Jaxpr):
+                    out.append(closed(j))
+        return tuple(out)
+
+    def call(self) -> ClosedJaxpr:
+        """A ``jit`` / ``closed_call`` equation's body: applied to its operands as they are."""
+        params = self.jaxpr_eqn.params
+        return closed(params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"])
+
+    def remat(self) -> Remat:
+        params = self.jaxpr_eqn.params
+        return Remat(closed(params["jaxpr"]), params["policy"], params["prevent_cse"])
+
+    def scan(self, operands: Sequence[Any]) -> Scan:
+        """The scan's parts, ``operands`` (one per input, in order) split among them."""
+        p = self.jaxpr_eqn.params
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        operands = list(operands)
+        return Scan(
+            operands[:n_consts],
+            operands[n_consts : n_consts + n_carry],
+            operands[n_consts + n_carry :],
+            p["jaxpr"],
+            p["length"],
+            p["reverse"],
+            p["unroll"],
+        )
+
+    def cond(self, operands: Sequence[Any]) -> Cond:
+        return Cond(operands[0], tuple(self.jaxpr_eqn.params["branches"]), list(operands[1:]))
+
+    def while_loop(self, operands: Sequence[Any]) -> While:
+        p = self.jaxpr_eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        operands = list(operands)
+        return While(
+            operands[:nc],
+            operands[nc : nc + nb],
+            operands[nc + nb :],
+            p["cond_jaxpr"],
+            p["body_jaxpr"],
+        )
+
+    def custom_vjp_args(self, operands: Sequence[Any]) -> list:
+        """A ``custom_vjp`` equation's operands without the constants JAX puts first: the
+        arguments the user's function was called with, flattened."""
+        return list(operands[self.jaxpr_eqn.params["num_consts"] :])
+
+    # broadcast_in_dim
+
+    @property
+    def broadcasts_scalar(self) -> bool:
+        """Whether a ``broadcast_in_dim`` broadcasts a scalar, with no sharding of its own."""
+        eqn = self.jaxpr_eqn
+        return eqn.invars[0].aval.shape == () and eqn.params.get("sharding") is None
+
+    def broadcast_to(self, shape: Callable[[tuple[int, ...]], tuple[int, ...]]) -> dict:
+        """A ``broadcast_in_dim``'s parameters with its result shape ``s`` replaced by
+        ``shape(s)``."""
+        params = self.jaxpr_eqn.params
+        return {**params, "shape": shape(params["shape"])}
+
+
+def equations(jaxpr: ClosedJaxpr | Jaxpr) -> list[Equation]:
+    """The top-level equations of ``jaxpr``, in order."""
+    return [Equation(e) for e in closed(jaxpr).jaxpr.eqns]
+
+
+def walk(jaxpr: ClosedJaxpr | Jaxpr) -> Iterator[Equation]:
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it, depth first."""
+    for eqn in equations(jaxpr):
+        yield eqn
+        for sub in eqn.subjaxprs:
+            yield from walk(sub)
+
+
+def mentions(jaxpr: ClosedJaxpr | Jaxpr, names: Any) -> bool:
+    """Whether an equation of ``jaxpr`` (or of a jaxpr nested in it) names one of
+    ``names``: in a collective's axes, or in the mesh axes a value varies over."""
+    names = frozenset(names)
+    for eqn in walk(jaxpr):
+        atoms = (*eqn.inputs, *eqn.outputs)
+        if eqn.axis_names & names or any(traced_varying_axes(v) & names for v in atoms):
+            return True
+    return False

@@ -1,0 +1,139 @@
+"""jzero's one jaxpr interpreter: a traced function evaluated again, equation by equation,
+with a feature's :class:`Rules` deciding what changes.
+
+Four features re-run traced jaxprs: stage 3's deferred gathers
+(:mod:`jzero.core.gather.autogather`), batch-axis aliases (:mod:`jzero.core.axis_alias`),
+and the offloaded update's split and chunks (:mod:`jzero.core.offload`). Each is a
+:class:`Rules` subclass; this module walks the jaxpr, binds every equation a rule leaves
+alone exactly as traced (in the equation's own context: its abstract mesh, ``compute_on``
+and XLA metadata), and re-applies higher-order primitives (:func:`rebind`: ``jit`` /
+``closed_call`` inlined, ``jax.checkpoint`` with its own policy, ``scan``, ``cond``,
+``while_loop``) with their bodies evaluated under the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, MutableMapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+
+from .equation import Equation, closed
+from .primitives import Kind
+
+
+class Rules:
+    """What a feature changes when a jaxpr is evaluated; the defaults change nothing."""
+
+    def read(self, x: Any, atom: Var | Literal) -> Any:
+        """``x``, the value of ``atom``, as a bound equation or the jaxpr's output receives it."""
+        del atom
+        return x
+
+    def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
+        """``eqn``'s outputs for ``values`` (its inputs as the environment holds them, not
+        :meth:`read`), or None to bind ``eqn`` to its read inputs as traced."""
+        del eqn, values
+        return None
+
+    def scope(self, consts: dict[Var, Any]) -> MutableMapping[Var, Any]:
+        """The environment a jaxpr with constants ``consts`` is evaluated in."""
+        return dict(consts)
+
+
+def value(env: MutableMapping[Var, Any], atom: Var | Literal) -> Any:
+    """The value of a jaxpr atom: a literal's own, or a variable's from ``env``."""
+    return atom.val if isinstance(atom, Literal) else env[atom]
+
+
+def run(
+    jaxpr: ClosedJaxpr | Jaxpr,
+    args: Sequence[Any],
+    rules: Rules,
+    *,
+    consts: Sequence[Any] | None = None,
+) -> list[Any]:
+    """``jaxpr`` applied to ``args`` under ``rules`` (``consts``: instead of its own
+    constants); its outputs, each :meth:`Rules.read`."""
+    jaxpr = closed(jaxpr)
+    inner = jaxpr.jaxpr
+    env = rules.scope(dict(zip(inner.constvars, jaxpr.consts if consts is None else consts)))
+    env.update(zip(inner.invars, args))
+    evaluate(jaxpr, env, rules)
+    return [rules.read(value(env, v), v) for v in inner.outvars]
+
+
+def evaluate(
+    jaxpr: ClosedJaxpr | Jaxpr,
+    env: MutableMapping[Var, Any],
+    rules: Rules,
+    eqns: Iterable[int] | None = None,
+) -> None:
+    """Evaluates the equations of ``jaxpr`` numbered ``eqns`` (default: all), in order,
+    under ``rules``, reading inputs from and writing outputs to ``env``."""
+    all_eqns = closed(jaxpr).jaxpr.eqns
+    for e in range(len(all_eqns)) if eqns is None else eqns:
+        jaxpr_eqn = all_eqns[e]
+        eqn = Equation(jaxpr_eqn)
+        values = [value(env, v) for v in jaxpr_eqn.invars]
+        with jaxpr_eqn.ctx.manager:
+            outs = rules.apply(eqn, values)
+            if outs is None:
+                outs = bind(eqn, [rules.read(x, v) for x, v in zip(values, jaxpr_eqn.invars)])
+        env.update(zip(jaxpr_eqn.outvars, outs))
+
+
+def bind(eqn: Equation, args: Sequence[Any], params: dict[str, Any] | None = None) -> list:
+    """``eqn``'s primitive applied to ``args`` with ``params`` (default: its own); always
+    a list of outputs. Call it inside :func:`evaluate` (which enters the equation's
+    context), i.e. from a rule."""
+    jaxpr_eqn = eqn.jaxpr_eqn
+    prim = jaxpr_eqn.primitive
+    params = jaxpr_eqn.params if params is None else params
+    out = prim.bind(*args, **prim.get_bind_params(params))
+    return list(out) if prim.multiple_results else [out]
+
+
+REBINDS = frozenset({Kind.CALL, Kind.REMAT, Kind.SCAN, Kind.COND, Kind.WHILE})
+"""The kinds :func:`rebind` re-applies (``custom_jvp`` / ``custom_vjp`` rules are opaque)."""
+
+
+def rebind(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
+    """``eqn``'s higher-order primitive applied to ``args`` again, each body evaluated
+    under ``rules``: a ``jit`` / ``closed_call`` inlined, a ``jax.checkpoint`` re-applied
+    with its policy, and ``scan`` / ``cond`` / ``while_loop`` rebuilt with ``jax.lax``."""
+    if eqn.kind is Kind.CALL:
+        return run(eqn.call(), args, rules)
+    if eqn.kind is Kind.REMAT:
+        remat = eqn.remat()
+        body = lambda *a: run(remat.body, a, rules)
+        return jax.checkpoint(body, prevent_cse=remat.prevent_cse, policy=remat.policy)(*args)
+    if eqn.kind is Kind.SCAN:
+        return _scan(eqn, args, rules)
+    if eqn.kind is Kind.COND:
+        cond = eqn.cond(args)
+        branches = [lambda *a, b=b: run(b, a, rules) for b in cond.branches]
+        return jax.lax.switch(cond.index, branches, *cond.operands)
+    if eqn.kind is Kind.WHILE:
+        loop = eqn.while_loop(args)
+        return jax.lax.while_loop(
+            lambda c: run(loop.cond, [*loop.cond_consts, *c], rules)[0],
+            lambda c: run(loop.body, [*loop.body_consts, *c], rules),
+            loop.init,
+        )
+    raise ValueError(f"rebind: {eqn.kind} is not one of {sorted(k.value for k in REBINDS)}.")
+
+
+def _scan(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
+    scan = eqn.scan(args)
+    n_carry = len(scan.init)
+
+    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        out = run(scan.body, [*scan.consts, *carry, *x], rules)
+        return out[:n_carry], out[n_carry:]
+
+    carry, ys = jax.lax.scan(
+        step, scan.init, scan.xs, length=scan.length, reverse=scan.reverse, unroll=scan.unroll
+    )
+    return [*carry, *ys]
