@@ -15,6 +15,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ...internal.primitives import (
+    checkpoint_name_of,
+    custom_vjp_body,
+    is_trimming_pad,
+    varying_axes,
+)
 from ..layout import LeafLayout, pad
 from ..mesh import DATA
 from .buckets import all_gather_flat, reduce_scatter_flat
@@ -32,21 +38,16 @@ def regather_policy(prim: Any, *_: Any, **params: Any) -> bool:
     padding (user code has no use for negative pads),
     so backward gathers each parameter again rather than keeping forward's copy.
     """
-    if prim is jax.lax.all_gather_p:
+    if prim is jax.lax.all_gather_p or is_trimming_pad(prim, params):
         return False
-    if prim is jax.lax.pad_p:
-        return not any(hi < 0 for _, hi, _ in params["padding_config"])
-    if prim.name == "name":  # checkpoint_name's primitive
-        return params.get("name") != GATHERED
-    return True
+    return checkpoint_name_of(prim, params) != GATHERED
 
 
-def _gathers_inside(params: dict[str, Any]) -> bool:
-    """Whether a ``custom_vjp_call`` (``jzero.gather``'s ``_use``) all-gathers."""
-    jaxpr = getattr(params.get("call_jaxpr"), "jaxpr", params.get("call_jaxpr"))
+def _gathers_inside(prim: Any, params: dict[str, Any]) -> bool:
+    """Whether ``prim`` is a ``custom_vjp`` (``jzero.gather``'s ``_use``) that all-gathers."""
     return any(
-        eqn.primitive is jax.lax.all_gather_p or eqn.params.get("name") == GATHERED
-        for eqn in getattr(jaxpr, "eqns", ())
+        p is jax.lax.all_gather_p or checkpoint_name_of(p, ps) == GATHERED
+        for p, ps in custom_vjp_body(prim, params)
     )
 
 
@@ -64,7 +65,7 @@ def saves_no_gathered(policy: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def combined(prim: Any, *args: Any, **params: Any) -> Any:
-        if prim.name == "custom_vjp_call" and _gathers_inside(params):
+        if _gathers_inside(prim, params):
             return False
         if prim is jax.lax.reduce_precision_p:
             return False
@@ -73,10 +74,6 @@ def saves_no_gathered(policy: Callable[..., Any]) -> Callable[..., Any]:
         return policy(prim, *args, **params)
 
     return combined
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
 
 
 def after(tree: Any, dep: Any) -> Any:
@@ -94,7 +91,7 @@ def after(tree: Any, dep: Any) -> Any:
     zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0  # exactly +-0, never NaN
 
     def tie(a):
-        if not jnp.issubdtype(a.dtype, jnp.inexact) or not _varying_axes(zero) <= _varying_axes(a):
+        if not jnp.issubdtype(a.dtype, jnp.inexact) or not varying_axes(zero) <= varying_axes(a):
             return a
         return a + zero.astype(a.dtype)
 

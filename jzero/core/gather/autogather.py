@@ -15,7 +15,9 @@ them all up front holds the whole model on every device. Instead the loss is tra
 - any other use gathers the whole parameter there, once.
 
 Every other equation is bound as traced, so the numerics are the user's own: only where
-and how often the all-gathers happen changes (docs/design.md §4).
+and how often the all-gathers happen changes (docs/design.md §4). The loss's jaxpr is
+evaluated by jzero's jaxpr interpreter (:mod:`jzero.internal.interpret`) under
+:class:`_Gathering`.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend import core
-from jax.extend.core import primitives as prims
 
+from ...internal.equation import Equation, Remat, Scan
+from ...internal.interpret import Rules, run
+from ...internal.primitives import Kind
 from ..comm.collectives import Sharded, gather, gather_each, saves_no_gathered
-from ..jaxprs import bind
 from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
 
@@ -55,96 +57,80 @@ def gather_where_used(fn: Callable[..., Any], *, prefetch: bool = False) -> Call
     Equal to ``fn(jzero.gather(params), *args)`` in value and gradient.
     """
 
-    def run(params: Any, *args: Any) -> Any:
+    def call(params: Any, *args: Any) -> Any:
         is_handle = lambda x: isinstance(x, Sharded)
         traced, out_shape = jax.make_jaxpr(lambda p, *a: fn(gather_each(p), *a), return_shape=True)(
             params, *args
         )
-        flat_in = jax.tree.leaves((params, args))
-        # Each handle flattens to (sink, value): its gather is the custom_vjp_call that
-        # reads exactly those two inputs.
-        handles, at = {}, 0
-        for leaf in jax.tree.leaves(params, is_leaf=is_handle):
-            if is_handle(leaf):
-                handles[traced.jaxpr.invars[at]] = leaf
-                at += 2
-            else:
-                at += 1
-        out = _run(traced.jaxpr, traced.consts, flat_in, handles, prefetch=prefetch)
+        handles = [x for x in jax.tree.leaves(params, is_leaf=is_handle) if is_handle(x)]
+        rules = _Gathering(handles, prefetch=prefetch)
+        out = run(traced, jax.tree.leaves((params, args)), rules)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
-    return run
+    return call
 
 
-def _run(
-    jaxpr: core.Jaxpr,
-    consts: Sequence[Any],
-    args: Sequence[Any],
-    handles: dict | None = None,
-    *,
-    prefetch: bool = False,
-) -> list[Any]:
-    """``jax.core.eval_jaxpr`` with deferred gathers (see the module docstring)."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+class _Gathering(Rules):
+    """The rules of deferred gathering (see the module docstring) for jzero's interpreter:
+    ``handles``' gathers (``jzero.gather``'s ``custom_vjp``, called on a handle's
+    sink and value) are deferred; the first equation that reads a deferred value gathers
+    it, unless it is a scan, an inlined call or a checkpoint that can take it deferred."""
 
-    def peek(v: Any) -> Any:
-        return v.val if isinstance(v, core.Literal) else env[v]
+    def __init__(self, handles: Sequence[Sharded] = (), *, prefetch: bool = False):
+        self.handles = {id(h.sink): h for h in handles}
+        self.prefetch = prefetch
 
-    def read(v: Any) -> Any:
-        x = peek(v)
-        if isinstance(x, _Deferred):  # first use that needs the full value: gather it here
-            x = env[v] = x.full()
-        return x
+    def read(self, x: Any, atom: Any = None) -> Any:
+        del atom
+        return x.full() if isinstance(x, _Deferred) else x  # first use: gathered here
 
-    for eqn in jaxpr.eqns:
-        if handles and eqn.primitive is prims.custom_vjp_call_p and eqn.invars[0] in handles:
-            env[eqn.outvars[0]] = _Deferred(handles[eqn.invars[0]])  # jzero.gather: defer
-            continue
-        deferred = any(isinstance(peek(v), _Deferred) for v in eqn.invars)
-        if deferred and eqn.primitive is prims.scan_p:
-            outs = _scan(eqn, [peek(v) for v in eqn.invars], read, prefetch)
-        elif deferred and eqn.primitive in (prims.jit_p, prims.closed_call_p):
-            inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-            outs = _run(inner.jaxpr, inner.consts, [peek(v) for v in eqn.invars], prefetch=prefetch)
-        elif deferred and eqn.primitive is prims.remat_p:
-            outs = _checkpoint(eqn, [peek(v) for v in eqn.invars])
-        else:
-            outs = bind(eqn, [read(v) for v in eqn.invars])
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
+        if eqn.kind is Kind.CUSTOM_VJP and (handle := self._gathered(eqn, values)) is not None:
+            return [_Deferred(handle)]  # jzero.gather: deferred
+        if not any(isinstance(x, _Deferred) for x in values):
+            return None
+        if eqn.kind is Kind.SCAN:
+            return _scan(eqn.scan(values), self)
+        if eqn.kind is Kind.CALL:
+            return run(eqn.call(), values, self)
+        if eqn.kind is Kind.REMAT:
+            return _checkpoint(eqn.remat(), values)
+        return None
+
+    def _gathered(self, eqn: Equation, values: list[Any]) -> Sharded | None:
+        """The handle whose gather ``eqn`` is (its first argument is the handle's sink)."""
+        args = eqn.custom_vjp_args(values)
+        handle = self.handles.get(id(args[0])) if args else None
+        return handle if handle is not None and args[0] is handle.sink else None
 
 
-def _scan(eqn: Any, operands: list[Any], read: Callable[[Any], Any], prefetch: bool) -> list[Any]:
+def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
     """A ``scan`` whose deferred scanned inputs are sliced sharded and gathered per step."""
-    p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    body: core.ClosedJaxpr = p["jaxpr"]
-    consts = [read(v) for v in eqn.invars[:n_consts]]  # used by every step: gathered once
-    init = [read(v) for v in eqn.invars[n_consts : n_consts + n_carry]]
+    n_carry = len(scan.init)
+    consts = [rules.read(x) for x in scan.consts]  # used by every step: gathered once
+    init = [rules.read(x) for x in scan.init]
     # A stack sharded along its stacked axis cannot be sliced per step: gathered whole.
     sliceable = lambda x: isinstance(x, _Deferred) and x.handle.layout.axis(x.handle.value) > 0
-    xs = [
-        x if sliceable(x) else read(v)
-        for x, v in zip(operands[n_consts + n_carry :], eqn.invars[n_consts + n_carry :])
-    ]
+    xs = [x if sliceable(x) else rules.read(x) for x in scan.xs]
     scanned = [x.handle if isinstance(x, _Deferred) else x for x in xs]
     lazy = [isinstance(x, _Deferred) for x in xs]
+    body_consts = list(scan.body.consts)
 
-    if prefetch and any(lazy) and can_prefetch(body.consts, consts, init, scanned):
+    if rules.prefetch and any(lazy) and can_prefetch(body_consts, consts, init, scanned):
         handles = [x for x, d in zip(scanned, lazy) if d]
         others = [x for x, d in zip(scanned, lazy) if not d]
-        n_body = len(body.consts)
+        n_body = len(body_consts)
 
         def layer(all_consts, carry, params, x_others):
             params, x_others = iter(params), iter(x_others)
             slices = [next(params) if d else next(x_others) for d in lazy]
-            outs = _run(body.jaxpr, all_consts[:n_body], [*all_consts[n_body:], *carry, *slices])
+            args = [*all_consts[n_body:], *carry, *slices]
+            outs = run(scan.body, args, _Gathering(), consts=all_consts[:n_body])
             return outs[:n_carry], outs[n_carry:]
 
         carry, ys = prefetched_scan(
-            layer, [*body.consts, *consts], init, handles, others,
-            length=p["length"], reverse=p["reverse"],
+            layer, [*body_consts, *consts], init, handles, others,
+            length=scan.length, reverse=scan.reverse,
         )  # fmt: skip
         return [*carry, *ys]
 
@@ -153,7 +139,7 @@ def _scan(eqn: Any, operands: list[Any], read: Callable[[Any], Any], prefetch: b
             slices = gather(list(x_slices))  # the layer's leaves in one flat collective
         else:  # each gathered where the step first uses it
             slices = [_Deferred(s) if d else s for s, d in zip(x_slices, lazy)]
-        outs = _run(body.jaxpr, body.consts, [*consts, *carry, *slices], prefetch=prefetch)
+        outs = run(scan.body, [*consts, *carry, *slices], rules)
         return outs[:n_carry], outs[n_carry:]
 
     # Rematerialised per step: backward gathers each layer again inside its own loop
@@ -163,24 +149,22 @@ def _scan(eqn: Any, operands: list[Any], read: Callable[[Any], Any], prefetch: b
         step, policy=saves_no_gathered(jax.checkpoint_policies.everything_saveable)
     )
     carry, ys = jax.lax.scan(
-        step, init, scanned, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        step, init, scanned, length=scan.length, reverse=scan.reverse, unroll=scan.unroll
     )
     return [*carry, *ys]
 
 
-def _checkpoint(eqn: Any, operands: list[Any]) -> list[Any]:
+def _checkpoint(remat: Remat, operands: list[Any]) -> list[Any]:
     """A ``jax.checkpoint`` region (a layer the user rematerialises) taking deferred
     parameters: run as :func:`jzero.remat_layer` with the region's policy, so the region
     gathers them once its inputs exist and again in backward once its output cotangents
     exist (as a plain checkpoint does on GPU, but also on XLA:CPU, see remat.py)."""
-    p = eqn.params
-    inner: core.Jaxpr = p["jaxpr"]
     lazy = [isinstance(x, _Deferred) for x in operands]
     handles = [x.handle for x in operands if isinstance(x, _Deferred)]
     others = [x for x in operands if not isinstance(x, _Deferred)]
 
     def region(params, *rest):
         params, rest = iter(params), iter(rest)
-        return _run(inner, (), [next(params) if d else next(rest) for d in lazy])
+        return run(remat.body, [next(params) if d else next(rest) for d in lazy], _Gathering())
 
-    return remat_layer(region, policy=p["policy"])(handles, *others)
+    return remat_layer(region, policy=remat.policy)(handles, *others)
