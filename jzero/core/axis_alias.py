@@ -8,26 +8,26 @@ Models name the axis their collectives reduce over, e.g. Flax ``nn.BatchNorm(axi
 1. runs its ``shard_map`` on the mesh with one more axis of size 1 per alias
    (:func:`alias_mesh`), so that code naming ``'batch'`` can be traced at all;
 2. calls the loss through :func:`aliased`: it traces the loss to a jaxpr with the alias
-   bound at the batch size, then evaluates that jaxpr, binding every collective over the
-   alias over the batch axes instead (``psum``, ``pmean``, ``all_gather``, ``axis_index``,
-   ...; inside ``jit``, ``scan``, ``cond``, ``while_loop`` and ``checkpoint`` too).
+   bound at the batch size, then evaluates that jaxpr with jzero's jaxpr interpreter
+   (:mod:`jzero.internal.interpret`), binding every collective over the alias over the
+   batch axes instead (``psum``, ``pmean``, ``all_gather``, ``axis_index``, ...; inside
+   ``jit``, ``scan``, ``cond``, ``while_loop`` and ``checkpoint`` too).
 
-Without an alias none of this runs. :mod:`.axis_names` checks the names and explains
-JAX's error for a collective over an axis the step lacks.
+Without an alias none of this runs. :mod:`.axis_names` checks the names and explains a
+collective over an axis the step lacks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src.core import pvary_p  # not exported: the no-op cast JAX inserts before psum
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
-from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh
 
-_AXIS_PARAMS = ("axes", "axis_name")  # the params that name mesh axes in collectives
+from ..internal.equation import Equation, mentions
+from ..internal.interpret import REBINDS, Rules, bind, rebind, run
+from ..internal.primitives import Kind, traced_varying_axes, varying_axes
 
 
 def alias_mesh(mesh: Mesh, aliases: Sequence[str]) -> Mesh:
@@ -46,13 +46,13 @@ def aliased(fn: Callable, *, aliases: Sequence[str], axes: tuple[str, ...], size
     devices in all. It is differentiable (the jaxpr's primitives are bound again), and a
     custom derivative rule (``custom_jvp`` / ``custom_vjp``) that names an alias raises.
     """
-    rename = {a: tuple(axes) for a in aliases}
+    rules = _Aliasing({a: tuple(axes) for a in aliases})
 
     def call(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(
             fn, axis_env=[(a, size) for a in aliases], return_shape=True
         )(*args)
-        out = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), rename)
+        out = run(closed, jax.tree.leaves(args), rules)
         return jax.tree.unflatten(jax.tree.structure(shape), out)
 
     return call
@@ -73,131 +73,39 @@ def _renamed(names: Any, rename: dict[str, tuple[str, ...]]) -> Any:
     return tuple(out)
 
 
-def _varying(x: Any) -> frozenset[str]:
-    return jax.typeof(x).mat.varying
+class _Aliasing(Rules):
+    """The rules of batch-axis aliases for jzero's interpreter: every collective over an
+    alias runs over the axes it stands for, inside higher-order primitives too."""
 
+    def __init__(self, rename: dict[str, tuple[str, ...]]):
+        self.rename = rename
 
-def _lift(x: Any, aval: Any, rename: dict[str, tuple[str, ...]]) -> Any:
-    """``x`` made varying over every axis the traced jaxpr had it vary over (renamed).
+    def read(self, x: Any, atom: Any) -> Any:
+        """``x`` made varying over every axis the traced jaxpr had it vary over (renamed).
 
-    A reduction over the alias leaves its result invariant over the batch axes, where the
-    trace (over a separate alias axis) had it still varying over them; the ops that follow
-    were typed for that, so the value is cast back (a no-op on the data).
-    """
-    want = getattr(getattr(aval, "mat", None), "varying", frozenset())
-    want = {m for n in want for m in rename.get(n, (n,))}
-    missing = tuple(sorted(want - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+        A reduction over the alias leaves its result invariant over the batch axes, where
+        the trace (over a separate alias axis) had it still varying over them; the ops that
+        follow were typed for that, so the value is cast back (a no-op on the data).
+        """
+        want = {m for n in traced_varying_axes(atom) for m in self.rename.get(n, (n,))}
+        missing = tuple(sorted(want - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-
-def _mentions(jaxpr: Jaxpr, aliases: Any) -> bool:
-    """Whether ``jaxpr`` (or one inside it) names an alias, in a param or a value's type."""
-    for eqn in jaxpr.eqns:
-        for v in (*eqn.invars, *eqn.outvars):
-            if set(getattr(getattr(v.aval, "mat", None), "varying", ())) & set(aliases):
-                return True
-        for k in _AXIS_PARAMS:
-            names = eqn.params.get(k)
-            names = (names,) if isinstance(names, str) else names
-            if isinstance(names, tuple | list) and set(names) & set(aliases):
-                return True
-        if any(_mentions(sub, aliases) for sub in _subjaxprs(eqn.params)):
-            return True
-    return False
-
-
-def _subjaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
-    for v in params.values():
-        for j in v if isinstance(v, tuple | list) else (v,):
-            if isinstance(j, ClosedJaxpr):
-                yield j.jaxpr
-            elif isinstance(j, Jaxpr):
-                yield j
-
-
-def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], rename: dict) -> list[Any]:
-    env: dict[Any, Any] = {}
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [_lift(read(v), v.aval, rename) for v in eqn.invars]
-        with eqn.ctx.manager:
-            out = _apply(eqn, invals, rename)
-        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
-    return [_lift(read(v), v.aval, rename) for v in jaxpr.outvars]
-
-
-def _apply(eqn: Any, invals: list[Any], rename: dict) -> Any:
-    prim, params = eqn.primitive, eqn.params
-    if prim is pvary_p:
-        axes = _renamed(params["axes"], rename)
-        missing = tuple(a for a in axes if a not in _varying(invals[0]))
-        return jax.lax.pcast(invals[0], missing, to="varying") if missing else invals[0]
-    if any(_mentions(sub, rename) for sub in _subjaxprs(params)):
-        rule = _HIGHER_ORDER.get(prim)
-        if rule is None:
-            raise NotImplementedError(
-                f"loss_fn uses a collective over the aliased axis {sorted(rename)} inside "
-                f"{prim.name!r}, which jzero cannot alias (custom_jvp / custom_vjp rules are "
-                "opaque to it); name the batch axis 'data' in that function."
-            )
-        return rule(params, invals, rename)
-    params = {k: _renamed(v, rename) if k in _AXIS_PARAMS else v for k, v in params.items()}
-    if prim is prims.axis_index_p:  # one axis per bind: the public function combines several
-        return jax.lax.axis_index(params["axis_name"])
-    return prim.bind(*invals, **prim.get_bind_params(params))
-
-
-def _closed(closed: ClosedJaxpr, rename: dict) -> Callable[..., list[Any]]:
-    return lambda *args: _eval(closed.jaxpr, closed.consts, args, rename)
-
-
-def _inline(params: dict, invals: list[Any], rename: dict) -> list[Any]:
-    return _closed(params["jaxpr"], rename)(*invals)
-
-
-def _checkpoint(params: dict, invals: list[Any], rename: dict) -> list[Any]:
-    body = lambda *a: _eval(params["jaxpr"], (), a, rename)
-    fn = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
-    return fn(*invals)
-
-
-def _scan(params: dict, invals: list[Any], rename: dict) -> list[Any]:
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
-    consts, rest = invals[:n_consts], invals[n_consts:]
-    init, xs = rest[:n_carry], rest[n_carry:]
-    body = _closed(params["jaxpr"], rename)
-
-    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        out = body(*consts, *carry, *x)
-        return out[:n_carry], out[n_carry:]
-
-    carry, ys = jax.lax.scan(
-        step, init, xs, length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
-    )
-    return [*carry, *ys]
-
-
-def _cond(params: dict, invals: list[Any], rename: dict) -> list[Any]:
-    branches = [_closed(b, rename) for b in params["branches"]]
-    return jax.lax.switch(invals[0], branches, *invals[1:])
-
-
-def _while(params: dict, invals: list[Any], rename: dict) -> list[Any]:
-    nc, nb = params["cond_nconsts"], params["body_nconsts"]
-    cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-    cond, body = _closed(params["cond_jaxpr"], rename), _closed(params["body_jaxpr"], rename)
-    return jax.lax.while_loop(
-        lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
-    )
-
-
-_HIGHER_ORDER = {
-    prims.jit_p: _inline,
-    prims.closed_call_p: _inline,
-    prims.remat_p: _checkpoint,
-    prims.scan_p: _scan,
-    prims.cond_p: _cond,
-    prims.while_p: _while,
-}
+    def apply(self, eqn: Equation, values: list[Any]) -> list[Any]:
+        args = [self.read(x, v) for x, v in zip(values, eqn.inputs)]
+        rename = lambda names: _renamed(names, self.rename)
+        if eqn.kind is Kind.PVARY:
+            missing = tuple(a for a in rename(eqn.axes) if a not in varying_axes(args[0]))
+            return [jax.lax.pcast(args[0], missing, to="varying") if missing else args[0]]
+        if any(mentions(sub, self.rename) for sub in eqn.subjaxprs):
+            if eqn.kind not in REBINDS:
+                raise NotImplementedError(
+                    f"loss_fn uses a collective over the aliased axis {sorted(self.rename)} "
+                    f"inside {eqn.api_name!r}, which jzero cannot alias (custom_jvp / "
+                    "custom_vjp rules are opaque to it); name the batch axis 'data' in that "
+                    "function."
+                )
+            return rebind(eqn, args, self)
+        if eqn.kind is Kind.AXIS_INDEX:  # one axis per bind: the public function combines
+            return [jax.lax.axis_index(rename(eqn.axes))]
+        return bind(eqn, args, eqn.renamed(rename))

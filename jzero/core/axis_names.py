@@ -1,57 +1,41 @@
-"""Batch-axis names: ``axis_name=`` checked, and a collective over an axis the step does
-not have explained.
+"""Batch-axis names: ``axis_name=`` checked, and a collective over an axis the step does not
+have explained.
 
 Inside ``shard_map``, ``lax.psum(x, 'batch')`` on a mesh without ``'batch'`` fails in JAX's
 ``pvary`` with a bare ``AssertionError``, and ``all_gather`` / ``axis_index`` with
-``NameError: unbound axis name``; :func:`unknown_axis_error` re-raises either as an error
-that names the axis, the collective and the fix (``axis_name=``, :mod:`.axis_alias`).
+``NameError: unbound axis name``. When the loss fails to trace, :func:`explain_unknown_axis`
+traces it again on its own (:func:`jzero.internal.unbound_axes.unbound_axes`) and, if one
+of its collectives names an axis that is neither a mesh axis nor an alias, raises an error
+that names the axis, the collective, the line that calls it and the fix (``axis_name=``,
+:mod:`.axis_alias`). Any other failure is left as it was.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jax._src.lax import parallel as _parallel  # its frames hold the axis names
+from ..internal.unbound_axes import unbound_axes
 
 
-@contextmanager
-def unknown_axis_error(*, mesh_axes: Sequence[str], aliases: Sequence[str]) -> Iterator[None]:
-    """Re-raises JAX's error for a collective over an axis the mesh lacks as a ValueError
-    that names the axis, the collective and the fix (``axis_name=``)."""
-    try:
-        yield
-    except (AssertionError, NameError) as e:
-        found = _unknown_axis(e, set(mesh_axes) | set(aliases))
-        if found is None:
-            raise
-        name, api = found
-        known = tuple(mesh_axes) + tuple(aliases)
-        raise ValueError(
-            f"loss_fn calls jax.lax.{api} over axis {name!r}, which the step does not have "
-            f"(mesh axes and aliases: {known}). If {name!r} is the model's name for the batch "
-            f"axis (e.g. nn.BatchNorm(axis_name={name!r})), build the step with "
-            f"train_step(..., axis_name={name!r}): jzero then runs its collectives over the "
-            "batch axes. Otherwise add the axis to the mesh."
-        ) from e
-
-
-def _unknown_axis(e: BaseException, known: set[str]) -> tuple[str, str] | None:
-    """(axis, collective) from the frames of ``jax.lax``'s collectives in ``e``'s traceback:
-    the outermost of them is the function the model called, and its ``axis_name``."""
-    tb, parallel = e.__traceback__, os.path.abspath(_parallel.__file__)
-    while tb is not None:
-        frame = tb.tb_frame
-        if os.path.abspath(frame.f_code.co_filename) == parallel:
-            names = frame.f_locals.get("axis_name")
-            names = (names,) if isinstance(names, str) else names
-            unknown = [n for n in names or () if isinstance(n, str) and n not in known]
-            if unknown:
-                return unknown[0], frame.f_code.co_name
-        tb = tb.tb_next
-    return None
+def explain_unknown_axis(
+    error: BaseException, fn: Callable[..., Any], args: Sequence[Any], axis_sizes: Mapping[str, int]
+) -> None:
+    """Raises a ValueError (from ``error``, the failure of ``fn(*args)``) if a collective in
+    ``fn`` names an axis not in ``axis_sizes`` (the step's mesh axes and aliases, with their
+    sizes); returns otherwise."""
+    found = unbound_axes(fn, args, axis_sizes)
+    if not found:
+        return
+    name, api, where = found[0]
+    at = f" (at {where})" if where else ""
+    raise ValueError(
+        f"loss_fn calls jax.lax.{api} over axis {name!r}{at}, which the step does "
+        f"not have (mesh axes and aliases: {tuple(axis_sizes)}). If {name!r} is the model's "
+        f"name for the batch axis (e.g. nn.BatchNorm(axis_name={name!r})), build the step "
+        f"with train_step(..., axis_name={name!r}): jzero then runs its collectives over the "
+        "batch axes. Otherwise add the axis to the mesh."
+    ) from error
 
 
 def as_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from . import rng
 from .axis_alias import aliased
-from .axis_names import as_tuple, unknown_axis_error
+from .axis_names import as_tuple, explain_unknown_axis
 from .checks import check_loss, split_model_state
 from .comm.collectives import Sharded, after, gather_each, reduce_scatter, saves_no_gathered
 from .comm.quantize import Quant
@@ -97,14 +97,22 @@ def local_grads(
         else aliased(loss_fn, aliases=aliases, axes=as_tuple(axes), size=plan.dp_size)
     )
 
+    axis_sizes = {**plan.mesh.shape, **dict.fromkeys(aliases, plan.dp_size)}
+
+    def user_loss(*args):
+        try:
+            return user_fn(*args)
+        except Exception as e:  # a collective over an axis the step lacks: say which
+            explain_unknown_axis(e, loss_fn, args, axis_sizes)
+            raise
+
     def call_loss(params, model_state, batch):
-        with unknown_axis_error(mesh_axes=plan.mesh.axis_names, aliases=aliases):
-            if with_model_state:
-                seen = rng.for_device(model_state, axes) if per_device_rng else model_state
-                out, new_state = split_model_state(user_fn(params, seen, batch))
-                model_state = rng.settle(new_state, seen=seen, given=model_state, axes=axes)
-            else:
-                out = user_fn(params, batch)
+        if with_model_state:
+            seen = rng.for_device(model_state, axes) if per_device_rng else model_state
+            out, new_state = split_model_state(user_loss(params, seen, batch))
+            model_state = rng.settle(new_state, seen=seen, given=model_state, axes=axes)
+        else:
+            out = user_loss(params, batch)
         loss, aux = check_loss(out, has_aux=has_aux)
         return loss, model_state, aux
 
