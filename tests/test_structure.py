@@ -1,5 +1,6 @@
-"""The package's structure: no import cycle, the step never imports the optimizer, and the
-library has no import-time side effects; ``data_mesh`` says what mesh it built."""
+"""The package's structure: no import cycle, the step never imports the optimizer, JAX
+internals and the jaxpr interpreter live in ``jzero.internal`` alone, and the library has
+no import-time side effects; ``data_mesh`` says what mesh it built."""
 
 from __future__ import annotations
 
@@ -69,8 +70,104 @@ def test_step_does_not_import_the_optimizer():
     # the core knows nothing of the adapters, the accounting or the CLI
     for module, deps in graph.items():
         if module.startswith("jzero.core"):
-            outside = {d for d in deps if not d.startswith(("jzero.core", "jzero._table"))}
+            allowed = ("jzero.core", "jzero._table", "jzero.internal")
+            outside = {d for d in deps if not d.startswith(allowed)}
             assert outside == set(), module
+
+
+INTERNAL = "jzero.internal"
+
+
+def _modules() -> dict[str, ast.Module]:
+    """``{module name: its parsed source}`` for every module of the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = ast.parse(
+            path.read_text()
+        )
+    return out
+
+
+def _dotted(node: ast.AST) -> str:
+    """``a.b.c`` for an attribute chain on a name; '' for anything else."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(names)]) if isinstance(node, ast.Name) else ""
+
+
+def _jax_internal_uses(tree: ast.Module) -> list[str]:
+    """Every import of, or attribute path into, ``jax._src`` / ``jax.extend`` in ``tree``."""
+    private = ("jax._src", "jax.extend")
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            base = node.module or ""
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute):
+            names = [_dotted(node)]
+        else:
+            continue
+        hits += [f"line {node.lineno}: {n}" for n in names if n.startswith(private)]
+    return hits
+
+
+def test_only_jzero_internal_touches_jax_internals():
+    modules = _modules()
+    assert f"{INTERNAL}.interpret" in modules and "jzero.core.step" in modules
+    found = {
+        name: hits
+        for name, tree in modules.items()
+        if not name.startswith(INTERNAL) and (hits := _jax_internal_uses(tree))
+    }
+    assert found == {}, (
+        f"JAX internals outside {INTERNAL} (move them into {INTERNAL}, which holds every use "
+        f"of jax._src / jax.extend): {found}"
+    )
+    # the check would see them: the boundary does use them
+    assert _jax_internal_uses(modules[f"{INTERNAL}.primitives"])
+
+
+_INTERPRETING = {"eqns", "bind", "get_bind_params", "ctx", "primitive", "source_info"}
+"""Attributes only code that walks or re-binds a jaxpr's equations reads."""
+
+
+def _interpreting(tree: ast.Module) -> set[str]:
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in _INTERPRETING
+    }
+
+
+def test_one_jaxpr_interpreter():
+    """Only jzero.internal reads a jaxpr's equations, and only its ``interpret`` module binds
+    them: every feature that re-runs a jaxpr is a set of rules for that one interpreter."""
+    modules = _modules()
+    outside = {
+        name: attrs
+        for name, tree in modules.items()
+        if not name.startswith(INTERNAL) and (attrs := _interpreting(tree))
+    }
+    assert outside == {}, f"jaxpr equations read or bound outside {INTERNAL}: {outside}"
+    binders = {
+        name
+        for name, tree in modules.items()
+        if {"bind", "get_bind_params", "ctx"} & _interpreting(tree)
+    }
+    assert binders == {f"{INTERNAL}.interpret"}
+
+
+def test_the_boundary_imports_nothing_else_from_jzero():
+    """jzero.internal is a leaf: the rest of jzero builds on it, never the other way."""
+    graph = _imports()
+    for module, deps in graph.items():
+        if module.startswith(INTERNAL):
+            assert {d for d in deps if not d.startswith(INTERNAL)} == set(), module
 
 
 def test_import_sets_no_config_and_no_xla_flags():
