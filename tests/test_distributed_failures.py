@@ -6,7 +6,7 @@ watchdog has spoken, for every T, and a ``bounded`` timeout too close to that ab
 refused. Real processes on 127.0.0.1 (2 x 2 CPU devices): a SIGSTOPped process, whether
 it hosts JAX's coordination service or not, is named with its last finished step by the
 survivor, which exits with jzero's message and no JAX abort; resumed, the frozen process
-says it was stopped and blames no peer.
+says it was stopped and blames no peer. A single process stopped for a while carries on.
 """
 
 from __future__ import annotations
@@ -218,21 +218,12 @@ def _stop_and_resume(timeout: float, seconds: float) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
-def test_a_process_stopped_longer_than_the_timeout_says_so_and_blames_no_peer():
-    out = _stop_and_resume(timeout=1.0, seconds=3.0)
-    assert out.returncode == 1 and "done" not in out.stdout
-    match = re.fullmatch(
-        r"jzero: process 0 of 1: this process was stopped \(frozen\) for (\d+\.\d) s after "
-        r"step \d+, longer than the 1 s its peers' watchdogs wait: they have given up on it; "
-        r"no peer failed\. Exiting; restart from the last checkpoint\.",
-        out.stderr.strip(),
-    )
-    assert match and float(match.group(1)) >= 2.9, out.stderr
-
-
-def test_a_process_stopped_shorter_than_the_timeout_carries_on():
-    out = _stop_and_resume(timeout=30.0, seconds=1.5)
-    assert out.returncode == 0 and out.stdout == "done\n" and out.stderr == ""
+def test_a_single_process_stopped_for_a_while_carries_on():
+    # no peer gave up on it: neither the stop (longer than the timeout) nor the step it
+    # interrupted ends the run; in a multi-process run it exits (tested below)
+    for timeout, seconds in ((1.0, 3.0), (30.0, 1.5)):
+        out = _stop_and_resume(timeout, seconds)
+        assert out.returncode == 0 and out.stdout == "done\n" and out.stderr == "", out
 
 
 @pytest.mark.slow  # real processes: in CI (-m ''), not in the quick default run

@@ -7,8 +7,11 @@ why: a watchdog thread exits the process (status 1) when no step has finished fo
 ``timeout`` seconds, naming the processes that stalled and their last finished step (from
 what each process publishes, see :mod:`jzero.distributed.progress`); an error raised by a
 step (a failed collective) ends the process the same way instead of waiting at exit for
-peers that are gone. A process that was itself stopped (SIGSTOP, a debugger) for longer
-than ``timeout`` says so when it resumes and exits, blaming no peer.
+peers that are gone. A process of a multi-process run that was itself stopped (SIGSTOP, a
+debugger) for longer than ``timeout`` says so when it resumes and exits, blaming no peer:
+its peers have given up on it. (A single process just carries on.) JAX's own error thread
+wakes at the same moment and may print its "Terminating process" line first, or, rarely,
+abort before jzero's message: the two race once the process resumes.
 
 Timing, with ``initialize(timeout=T)`` and ``bounded()`` (watchdog timeout T): the
 watchdog checks every ``min(1, T/4)`` s and gives the peers' progress as long to arrive,
@@ -79,9 +82,11 @@ class Watchdog:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="jzero-watchdog", daemon=True)
         self._publisher: progress.Publisher | None = None
+        self._peers = False  # whether other processes wait for this one
 
     def start(self) -> Watchdog:
-        if jax.process_count() > 1 and coordination.is_available():
+        self._peers = jax.process_count() > 1
+        if self._peers and coordination.is_available():
             self._publisher = progress.Publisher(
                 jax.process_index(), jax.process_count(), lambda: self._steps, self.interval
             ).start()
@@ -145,8 +150,10 @@ class Watchdog:
                 gap, self._tick = now - self._tick, now
                 if self._last is not None and gap > self.timeout:
                     self._stopped = max(self._stopped, gap)
-            if self._stopped:
+            if self._stopped and self._peers:
                 _leave(self.stopped_message(self._stopped))
+            if self._stopped:  # no peer gave up on this process: time the step from now
+                self._stopped, self._last = 0.0, now
             if self._last is not None and now - self._last > self.timeout:
                 _leave(self._stall_message())
 
