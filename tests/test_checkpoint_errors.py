@@ -198,6 +198,8 @@ def test_an_optax_transformation_or_a_state_in_the_wrong_place_is_refused(tmp_pa
         export_safetensors(optax.adam(1e-2), state, tmp_path / "model.safetensors")
     with pytest.raises(TypeError, match=r"takes the parameters .*not a jzero.ZeroState"):
         Checkpointer(tmp_path).restore(opt, state)
+    with pytest.raises(TypeError, match=r"step must be an int or None .*got '1'"):
+        Checkpointer(tmp_path).restore(opt, awkward_params(), step="1")
     assert not (tmp_path / "model.safetensors").exists()
 
 

@@ -368,6 +368,8 @@ class Checkpointer:
         """
         check_optimizer(opt, "restore()")
         check_like(like)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
+            raise TypeError(f"step must be an int or None (the newest valid), got {step!r}.")
         self._existing()  # refuses a closed Checkpointer and a missing directory
         steps = [int(step)] if step is not None else sorted(self.all_steps(), reverse=True)
         if not steps:
