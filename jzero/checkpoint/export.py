@@ -211,18 +211,15 @@ def _gather_program(mesh: Any, stored: Stored, dtype: np.dtype) -> Callable[[jax
 
 
 def _export_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype=`` of :func:`export_safetensors`: None, or a floating dtype safetensors holds
+    (a dtype, its name, or ``'bf16'`` / ``'fp16'`` / ``'fp32'``)."""
+    from ..core.dtypes import float_dtype
+
     if dtype is None:
         return None
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype not in _DTYPE_NAMES:
-        raise ValueError(
-            f"dtype must be a floating dtype safetensors holds (float32, bfloat16, float16, "
-            f"float64), got {dtype!r}; e.g. dtype=jnp.bfloat16, or None for float32."
-        )
-    return dtype
+    floats = [d for d in _DTYPE_NAMES if jnp.issubdtype(d, jnp.floating)]
+    example = "dtype=jnp.bfloat16, or None to keep the source's dtype (float32)"
+    return float_dtype(dtype, what="export_safetensors(dtype=...)", allowed=floats, example=example)
 
 
 def export_safetensors(

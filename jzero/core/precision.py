@@ -10,21 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .comm.quantize import GATHER_QUANTS, GRAD_QUANTS, Quant
+from .dtypes import float_dtype
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 def _check_dtype(name: str, dtype: Any) -> np.dtype:
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        dtype = None
-    if dtype not in _FLOATS:
-        raise ValueError(
-            f"Precision.{name} must be float32, bfloat16 or float16, got {dtype!r}; "
-            "e.g. Precision(param_dtype=jnp.bfloat16)."
-        )
-    return dtype
+    example = f"Precision({name}=jnp.bfloat16)"
+    return float_dtype(dtype, what=f"Precision.{name}", allowed=_FLOATS, example=example)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +26,14 @@ class Precision:
 
     Attributes:
         param_dtype: dtype of the parameters at rest, of their all-gathers and of the
-            forward/backward compute. Anything but float32 keeps fp32 master weights in
-            the optimizer's (sharded) state and casts them down after each update.
+            forward/backward compute: float32, bfloat16 or float16, given as a dtype
+            (``jnp.bfloat16``), its name (``'bfloat16'``) or DeepSpeed's short name
+            (``'bf16'``, ``'fp16'``, ``'fp32'``); anything else raises ``ValueError``.
+            Anything but float32 keeps fp32 master weights in the optimizer's (sharded)
+            state and casts them down after each update.
         reduce_dtype: dtype in which gradients are all-reduced / reduce-scattered (and
-            accumulated across micro-batches in fp32 regardless). None: ``param_dtype``.
+            accumulated across micro-batches in fp32 regardless), given as ``param_dtype``
+            is. None: ``param_dtype``.
         dynamic_loss_scale: scale the loss before backward and unscale the reduced
             gradients; a step whose gradients are not finite is skipped on every device
             and the scale halved; after ``growth_interval`` good steps it doubles. None:
