@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from .._table import table
+from ..core.checks import check_live
 from ..core.plan import Plan
 from ..core.state import ZeroState
 from .estimate import theory_comm_bytes, theory_comm_bytes_per_axis, theory_model_state_bytes
@@ -228,12 +229,14 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     Args:
         train_step: the jitted step from ``ZeroOptimizer.train_step`` (anything with
             ``.lower(state, batch).compile()``). Nothing is run; ``state`` is not donated.
-        state: a :class:`ZeroState` with live arrays.
+        state: a :class:`ZeroState` with live arrays (one consumed by a donating step is
+            refused with a ``ValueError``).
         batch: a batch of the shapes the step is trained on.
 
     Raises:
         ValueError: a collective sits in a loop whose trip count XLA does not know.
     """
+    check_live(state)
     plan = state.plan
     n = plan.data_size
     compiled = train_step.lower(state, batch).compile()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.state import ZeroState
 from ..core.step import Metrics, TrainStep
 
 
@@ -12,7 +13,8 @@ class AdapterStep:
 
     It calls the jitted core step on ``state.zero`` (so a donated, consumed state is refused
     the same way) and returns ``state`` with the new ``zero``. ``lower(state, batch)`` gives
-    the core program's lowering, e.g. for ``jzero.report(step, state.zero, batch)``.
+    the core program's lowering, for the adapter ``state`` or its ``state.zero``, e.g. for
+    ``jzero.report(step, state.zero, batch)``.
     """
 
     def __init__(self, core: TrainStep):
@@ -23,4 +25,5 @@ class AdapterStep:
         return state.replace(zero=zero), metrics
 
     def lower(self, state: Any, batch: Any) -> Any:
-        return self.core.lower(state.zero, batch)
+        zero = state if isinstance(state, ZeroState) else state.zero
+        return self.core.lower(zero, batch)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from .checks import check_live
 from .layout import pad, unpad
 from .plan import Plan, Stored
 from .precision import LossScale, Precision
@@ -126,7 +127,11 @@ def _full_params_program(plan: Plan) -> Callable[[Any], Any]:
 
 
 def full_params(state: ZeroState) -> Any:
-    """The whole model, true shapes, replicated over ``data`` (one compiled program per plan)."""
+    """The whole model, true shapes, replicated over ``data`` (one compiled program per plan).
+
+    A state consumed by a donating step is refused (:func:`.checks.check_live`): the
+    compiled program would read its deleted buffers, which can crash the process."""
+    check_live(state)
     return _full_params_program(state.plan)(state.params)
 
 
@@ -146,7 +151,9 @@ def _full_state_program(plan: Plan) -> Callable[[Any, Any, Any], Any]:
 
 def full_state(state: ZeroState) -> ZeroState:
     """``state`` with parameters, Optax state and master weights whole: true shapes,
-    replicated over ``data`` (for inspection and export; it needs a whole copy per device)."""
+    replicated over ``data`` (for inspection and export; it needs a whole copy per device).
+    A consumed state is refused, as by :func:`full_params`."""
+    check_live(state)
     params, opt_state, master = _full_state_program(state.plan)(
         state.params, state.opt_state, state.master
     )
