@@ -130,8 +130,95 @@ def test_zero_tokens_in_the_global_batch_give_zero_loss_and_gradients():
     batch["mask"] = jnp.zeros_like(batch["mask"])
     opt = jzero.ZeroOptimizer(optax.sgd(0.5), jzero.data_mesh(), stage=3)
     state = opt.init(token_params())
-    _, metrics = opt.train_step(weighted_loss)(state, batch)
+    step = opt.train_step(weighted_loss)
+    state, metrics = step(state, batch)
     assert float(metrics["loss"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
+    # A count of 0 is valid (taken as 1): not skipped, and the next call does not raise.
+    assert float(metrics["count"]) == 0.0 and int(metrics["skipped"]) == 0
+    assert int(state.step) == 1
+    jax.block_until_ready(metrics)
+    state, metrics = step(state, batch)
+    assert int(state.step) == 2 and int(metrics["skipped"]) == 0
+
+
+FP16 = jzero.Precision(param_dtype=jnp.float16, initial_loss_scale=2.0**10)
+
+
+def bad_count_loss(kind):
+    """``weighted_loss`` with a count that is negative (float or int) or NaN."""
+
+    def loss_fn(params, model_state, batch):
+        w = weighted_loss(params, batch)
+        count = {
+            "negative": -w.count,
+            "negative int": -w.count.astype(jnp.int32),
+            "nan": w.count * jnp.nan,
+        }[kind]
+        bad = batch["bad"][0] > 0  # the same on every row: one batch is bad, the others not
+        count = jnp.where(bad, count, w.count.astype(count.dtype))
+        return jzero.Weighted(w.total, count), {"calls": model_state["calls"] + 1}
+
+    return loss_fn
+
+
+def flagged(batch, bad):
+    return batch | {"bad": jnp.full((B,), float(bad), jnp.float32)}
+
+
+def snapshot(state):
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize(
+    "stage, grad_accum, kind, options",
+    [
+        (0, 1, "negative int", {}),
+        (3, 2, "negative", {}),
+        (2, 1, "nan", {}),
+        (1, 1, "negative", {"precision": FP16}),  # loss scaling: the scale stays too
+        (2, 1, "negative", {"offload": "optimizer"}),  # Optax state in pinned_host
+    ],
+)
+def test_an_invalid_count_skips_the_step_and_the_next_call_says_so(
+    stage, grad_accum, kind, options
+):
+    """A negative (or NaN) global count would maximise the loss: the step changes nothing
+    (parameters, Optax state, master weights, model state, loss scale, step counter),
+    metrics show it, and the train step raises at the next call, before running it."""
+    good, good2 = [flagged(b, False) for b in token_batches(2)]
+    bad = flagged(good, True)
+    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=stage, **options)
+    model_state = {"calls": jnp.zeros((), jnp.int32)}
+    step = opt.train_step(bad_count_loss(kind), grad_accum=grad_accum, with_model_state=True)
+    state, metrics = step(opt.init(token_params(), model_state=model_state), good)
+    tokens = float(good["mask"].sum())
+    assert float(metrics["count"]) == tokens and int(metrics["skipped"]) == 0
+    before = snapshot(state)
+
+    state, metrics = step(state, bad)
+    assert int(metrics["skipped"]) == 1 and np.isnan(float(metrics["loss"]))
+    count = float(metrics["count"])
+    assert np.isnan(count) if kind == "nan" else count == -tokens
+    for x, y in zip(before, snapshot(state)):  # every leaf, bitwise
+        np.testing.assert_array_equal(x, y)
+    assert int(state.step) == 1 and int(state.model_state["calls"]) == grad_accum  # good's
+
+    jax.block_until_ready(metrics)
+    shown = "nan" if kind == "nan" else f"-{tokens:g}" if kind == "negative int" else -tokens
+    message = rf"call 2 of this train step had a global jzero.Weighted count of {shown} .*"
+    message += r"must be >= 0 and finite.*skipped.*nothing was lost. Fix loss_fn's count"
+    with pytest.raises(ValueError, match=message):
+        step(state, good2)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # refused before running
+
+    # The loop goes on from the state in hand, exactly as if the bad batch never came.
+    state, metrics = step(state, good2)
+    assert int(metrics["skipped"]) == 0 and int(state.step) == 2
+    replay = opt.train_step(bad_count_loss(kind), grad_accum=grad_accum, with_model_state=True)
+    ref, _ = replay(opt.init(token_params(), model_state=model_state), good)
+    ref, _ = replay(ref, good2)
+    for x, y in zip(snapshot(ref), snapshot(state)):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_bad_weighted_outputs_are_refused():

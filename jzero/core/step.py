@@ -32,7 +32,7 @@ from .placement import constrain, store, view
 from .plan import Plan
 from .precision import Precision
 from .state import ZeroState
-from .weighted import Weighted, divisor
+from .weighted import CountWatch, Weighted, counted, divisor, skip_uncounted
 
 Metrics = dict[str, Any]
 
@@ -52,6 +52,7 @@ class TrainStep:
     def __init__(self, jitted: Any, donate: bool, *, mesh: Mesh, agreement: Agreement):
         self._jitted, self._donate = jitted, donate
         self._mesh, self._agreement = mesh, agreement
+        self._counts = CountWatch()  # raises for an earlier step's invalid Weighted count
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         # First, so that the checks below fail alike on every process (multi-process runs:
@@ -60,9 +61,13 @@ class TrainStep:
         check_live(state)
         check_global_batch(batch)
         check_batch_sharding(batch, self._mesh)
-        return self._jitted(state, batch)
+        self._counts.check()
+        state, metrics = self._jitted(state, batch)
+        self._counts.watch(metrics)
+        return state, metrics
 
     def lower(self, state: ZeroState, batch: Any) -> Any:
+        check_live(state)
         return self._jitted.lower(state, batch)
 
 
@@ -145,7 +150,9 @@ def make_train_step(
 
     ``metrics`` holds ``loss`` (mean over the global batch), ``grad_norm`` (global L2 norm
     of the averaged gradient, padding excluded) and, with dynamic loss scaling,
-    ``loss_scale`` and ``skipped`` (1 where non-finite gradients skipped the update).
+    ``loss_scale`` and ``skipped`` (1 where non-finite gradients skipped the update); with
+    a :class:`Weighted` loss, ``count`` (the global count) and ``skipped`` (1 also where a
+    negative or non-finite count skipped the step; see :class:`Weighted`).
     """
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}.")
@@ -192,9 +199,10 @@ def make_train_step(
                 (loss, model_state, aux), plan.sharding(P())
             )
         # Global view from here: sums -> means (and unscaled), padding sliced off.
+        ok = None  # Weighted: whether the global count is valid (else the step is skipped)
         if isinstance(loss, Weighted):  # global sums: divide by the global count
-            count = divisor(loss.count)
-            loss, denominator = loss.total / count, count * scale
+            ok, count = counted(loss.count), loss.count
+            loss, denominator = loss.total / divisor(count), divisor(count) * scale
         else:
             denominator = n * grad_accum * scale
         grads = jax.tree.map(
@@ -206,13 +214,17 @@ def make_train_step(
         finite = None
         if state.loss_scale is not None:  # non-finite gradients: the update keeps the state
             finite = jnp.isfinite(metrics["grad_norm"])
-        new_state = _update(tx, precision, state, grads, finite)
+        keep = ok if finite is None else (finite if ok is None else finite & ok)
+        new_state = _update(tx, precision, state, grads, keep)
         if has_aux:
             metrics["aux"] = aux
         if finite is not None:
             new_state = new_state.replace(loss_scale=state.loss_scale.next(finite, precision))
             metrics |= {"loss_scale": scale, "skipped": (~finite).astype(jnp.int32)}
-        return new_state.replace(step=state.step + 1, model_state=model_state), metrics
+        new_state = new_state.replace(step=state.step + 1, model_state=model_state)
+        if ok is not None:
+            new_state, metrics = skip_uncounted(ok, count, state, new_state, metrics)
+        return new_state, metrics
 
     options = dict(
         offload=offload,
@@ -240,9 +252,10 @@ def _update(
 ) -> ZeroState:
     """The Optax update in the global view, on fp32 master weights, then re-placement.
 
-    With ``finite`` (dynamic loss scaling) a step whose gradients are not finite keeps
-    the old parameters, Optax state and master weights. With an offloaded optimizer the
-    state streams through the device (:func:`.offload.update.offloaded_update`).
+    Where ``finite`` is False (non-finite gradients under dynamic loss scaling, or an
+    invalid :class:`Weighted` count) the step keeps the old parameters, Optax state and
+    master weights. With an offloaded optimizer the state streams through the device
+    (:func:`.offload.update.offloaded_update`).
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params
