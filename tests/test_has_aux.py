@@ -70,3 +70,37 @@ def test_no_aux_key_without_has_aux():
     _, metrics = opt.train_step(awkward_loss)(opt.init(awkward_params()), awkward_batches(1)[0])
     assert set(metrics) == {"loss", "grad_norm"}
     assert jax.tree.structure(metrics) == jax.tree.structure({"loss": 0, "grad_norm": 0})
+
+
+class Tag:
+    """Not a number."""
+
+
+@pytest.mark.parametrize(
+    "leaf, shown",
+    [
+        ("train", r"the str 'train'"),
+        (np.array(["a", "b"]), r"an array of shape \(2,\) and dtype <U1"),
+        (Tag(), r"a Tag"),
+    ],
+)
+def test_an_aux_leaf_that_is_no_number_is_named(leaf, shown):
+    """Strings (and other objects) in aux cannot be averaged over devices: the error names
+    the leaf's path and the fix, before anything is traced further."""
+    opt = jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=2)
+    state = opt.init(awkward_params())
+
+    def loss_fn(params, batch):
+        loss, aux = loss_with_aux(params, batch)
+        return loss, {**aux, "info": {"split": leaf}}
+
+    message = rf"aux leaf \['info'\]\['split'\] is {shown}; has_aux's aux may hold arrays and "
+    message += r"numbers only.*keep strings and other Python objects outside loss_fn"
+    step = opt.train_step(loss_fn, has_aux=True)
+    with pytest.raises(TypeError, match=message):
+        step(state, awkward_batches(1)[0])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # refused while tracing
+    # Python numbers and numpy scalars are numbers: they pass as they did.
+    numbers = lambda p, b: (awkward_loss(p, b), {"n": 3, "f": 0.5, "np": np.float32(2)})
+    _, metrics = opt.train_step(numbers, has_aux=True)(state, awkward_batches(1)[0])
+    assert int(metrics["aux"]["n"]) == 3 * 8 and float(metrics["aux"]["f"]) == 0.5

@@ -174,6 +174,7 @@ def check_loss(out: Any, *, has_aux: bool) -> tuple[Any, Any]:
                 f"{_describe(out)}; return (loss, aux), or build the step without has_aux."
             )
         loss, aux = out
+        check_aux(aux)
     else:
         if isinstance(out, tuple | list) and not isinstance(out, Weighted):
             raise TypeError(
@@ -196,6 +197,24 @@ def check_loss(out: Any, *, has_aux: bool) -> tuple[Any, Any]:
             )
         )
     return loss, aux
+
+
+def check_aux(aux: Any) -> None:
+    """Every leaf of ``has_aux``'s aux is a number: an array or a Python scalar of a
+    boolean, integer or floating dtype (the step averages or sums it over devices)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        if isinstance(x, jax.Array | bool | int | float | complex):
+            continue
+        if isinstance(x, np.ndarray | np.generic) and x.dtype.kind in "biufc":
+            continue
+        what = f"the str {x!r:.60}" if isinstance(x, str) else _describe(x)
+        raise TypeError(
+            f"aux leaf {jax.tree_util.keystr(path)} is {what}; has_aux's aux may hold arrays "
+            "and numbers only, which the step averages (floats) or sums (integers) over "
+            "devices into metrics['aux']. Return arrays or scalars (e.g. jnp.float32(x)), "
+            "and keep strings and other Python objects outside loss_fn (e.g. key the "
+            "metrics dict by them)."
+        )
 
 
 def _short(treedef: Any, limit: int = 120) -> str:
