@@ -4,7 +4,8 @@ A small Linen LM annotated with ``nn.with_logical_partitioning`` (MaxText style)
 ``('data', 'model')`` mesh: every leaf is laid out as the rules say plus ``data`` where
 jzero's layout rule puts it -- the very plan the same specs give when written out by hand
 -- and trains to the single-device Optax numbers. The same through ``ZeroOptimizer(rules=)``
-with logical ``param_specs``, and an NNX model with logical ``out_sharding``.
+with logical ``param_specs`` or with the boxed parameters themselves (unboxed ones and no
+specs: refused, the rules would do nothing), and an NNX model with logical ``out_sharding``.
 """
 
 from __future__ import annotations
@@ -193,6 +194,55 @@ def test_zero_optimizer_with_rules_and_logical_param_specs():
     ref = oracle()
     np.testing.assert_allclose(losses, ref.losses, rtol=RTOL, atol=ATOL)
     assert_tree_close(opt.full_params(state), ref.params, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_optimizer_reads_boxed_params_with_rules(stage):
+    """rules= and no param_specs=: ZeroOptimizer maps the params' own
+    nn.with_logical_partitioning metadata (boxed, as model.init returns them)."""
+    mesh, boxed = mesh_2d(), init_fn()["params"]
+    opt = jzero.ZeroOptimizer(tx(), mesh, stage=stage, rules=RULES)
+    explicit = jzero.ZeroOptimizer(tx(), mesh, stage=stage, param_specs=EXPLICIT)
+    want = user_specs(explicit.plan(shapes_of(boxed)))
+    assert jax.tree.leaves(user_specs(opt.plan(boxed))) == jax.tree.leaves(want)
+    state = opt.init(boxed)  # the boxes ride along in the state's tree
+    assert isinstance(state.params["head"]["kernel"], nn.LogicallyPartitioned)
+    assert_layout(state.params, SHARDED if stage == 3 else EXPLICIT, mesh)
+    assert_layout(state.opt_state[0].mu, SHARDED, mesh)
+    from_init_fn = opt.init(init_fn=lambda: init_fn()["params"])  # abstract boxes, same plan
+    assert from_init_fn.plan == state.plan
+
+    state, losses = train(opt.train_step(loss_fn), state)
+    ref = oracle()
+    np.testing.assert_allclose(losses, ref.losses, rtol=RTOL, atol=ATOL)
+    assert_tree_close(nn.unbox(opt.full_params(state)), ref.params, rtol=RTOL, atol=ATOL)
+
+
+def test_zero_optimizer_reads_nnx_variables_with_rules():
+    mesh = mesh_2d()
+    params = nnx.state(make_nnx(), nnx.Param)  # Variables carrying out_sharding
+    plan = jzero.ZeroOptimizer(optax.sgd(0.1), mesh, stage=3, rules=RULES).plan(params)
+    got = jax.tree.leaves(user_specs(plan), is_leaf=lambda x: isinstance(x, P))
+    # leaves in order: down.kernel, embed.embedding, head.kernel, up.bias, up.kernel
+    assert got == [P("model"), P("model"), P(None, "model"), P("model"), P(None, "model")]
+
+
+def test_rules_with_nothing_to_map_are_refused():
+    """Unboxed params, rules= and no param_specs=: the rules would do nothing, silently
+    replicating every leaf over 'model'; the error says how to give them names."""
+    mesh, params = mesh_2d(), nn.unbox(init_fn()["params"])
+    opt = jzero.ZeroOptimizer(optax.sgd(0.1), mesh, stage=3, rules=RULES)
+    fixes = r"rules= maps logical axis names .* no Flax partitioning metadata .* would change "
+    fixes += r"nothing\. Pass the boxed parameters .*"
+    fixes += r"nn\.get_partition_spec\(variables\['params'\]\)"
+    fixes += r".*jzero\.linen\.TrainState\.create\(\.\.\., rules=\)"
+    with pytest.raises(ValueError, match=fixes):
+        opt.init(params)
+    with pytest.raises(ValueError, match=fixes):
+        opt.plan(shapes_of(params))
+    # Without rules= the same params are placed over 'data' alone, as documented.
+    plain = jzero.ZeroOptimizer(optax.sgd(0.1), mesh, stage=3).plan(shapes_of(params))
+    assert set(jax.tree.leaves(user_specs(plain))) == {P()}
 
 
 def test_which_rules_apply():

@@ -12,7 +12,9 @@ Each adapter reads its Flax API's annotations and maps them as that API does:
   as it is, so it must then be a mesh axis.
 
 Explicit ``param_specs`` name mesh axes, or logical axes when ``rules=`` is given. Specs
-mapped through rules lose jzero's own axes (:func:`jzero.core.rules.drop_own_axes`).
+mapped through rules lose jzero's own axes (:func:`jzero.core.rules.drop_own_axes`). The
+metadata is read by :func:`jzero.core.boxed.box_specs`, which ``jzero.ZeroOptimizer`` uses
+for boxed parameters too.
 """
 
 from __future__ import annotations
@@ -22,22 +24,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import nnx
-from flax.core import meta
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from ..core.rules import Rules, check_rules, drop_own_axes, logical_to_mesh, to_mesh_axes
-
-
-def _no_rules(name: str, names: tuple[Any, ...], mesh: Mesh) -> ValueError:
-    example = tuple((n, None) for n in names if isinstance(n, str))
-    return ValueError(
-        f"param {name} has logical axis names {names} (nn.with_logical_partitioning), but no "
-        f"rules map them to the mesh's axes {dict(mesh.shape)}; pass rules= to "
-        f"TrainState.create, e.g. rules={example} with a mesh axis in place of None where a "
-        "dimension should be split (or set them with nn.logical_axis_rules(...)); rules=() "
-        "replicates every logical dimension over the mesh's other axes."
-    )
+from ..core.boxed import box_specs
+from ..core.rules import Rules, check_rules, logical_to_mesh
 
 
 def _explicit(param_specs: Any, rules: Rules | None, mesh: Mesh) -> Any:
@@ -46,30 +36,18 @@ def _explicit(param_specs: Any, rules: Rules | None, mesh: Mesh) -> Any:
 
 
 def linen_specs(params: Any, *, param_specs: Any, rules: Rules | None, mesh: Mesh) -> Any:
-    """Mesh specs for Linen ``params`` (boxed, as ``model.init`` returns them)."""
+    """Mesh specs for Linen ``params`` (boxed, as ``model.init`` returns them), shaped like
+    the unboxed parameters."""
     if param_specs is not None:
         return _explicit(param_specs, rules, mesh)
-    context = nn.get_logical_axis_rules() or None
-
-    def spec(path: Any, x: Any) -> Any:
-        if not isinstance(x, nn.LogicallyPartitioned):
-            return nn.get_partition_spec(x)
-        name = jax.tree_util.keystr(path)
-        own = next((r for r in (x.rules, rules, context) if r is not None), None)
-        if own is None:
-            raise _no_rules(name, tuple(x.names), mesh)
-        return to_mesh_axes(name, x.names, check_rules(own, mesh))
-
-    is_box = lambda x: isinstance(x, meta.AxisMetadata)
-    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_box)
+    fallback = rules if rules is not None else (nn.get_logical_axis_rules() or None)
+    specs = box_specs(params, rules=fallback, mesh=mesh)
+    return jax.tree.unflatten(jax.tree.structure(nn.unbox(params)), specs)
 
 
 def nnx_specs(params: nnx.State, *, param_specs: Any, rules: Rules | None, mesh: Mesh) -> Any:
     """Mesh specs for an NNX module's Param state, as a pure dict."""
     if param_specs is not None:
         return _explicit(param_specs, rules, mesh)
-    if rules is None:
-        return nnx.to_pure_dict(nnx.get_partition_spec(params))
-    with nnx.logical_axis_rules(check_rules(rules, mesh)):
-        specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
-    return jax.tree.map(drop_own_axes, specs, is_leaf=lambda x: isinstance(x, P))
+    specs = box_specs(params, rules=rules, mesh=mesh)
+    return jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(params)), specs)

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .boxed import box_specs, has_boxes
 from .checks import (
     check_leaves,
     check_precision,
@@ -54,8 +55,13 @@ class ZeroOptimizer:
             ``nn.logical_axis_rules`` takes them, e.g. ``(('embed', None), ('mlp',
             'model'))``. ``param_specs`` then name logical axes, mapped as Flax maps them
             (:mod:`jzero.core.rules`; a name with no rule is replicated); ``data`` and
-            ``replica`` are dropped from the result (jzero places them). A
-            ``with nn.logical_axis_rules(...)`` context is not read here.
+            ``replica`` are dropped from the result (jzero places them). Without
+            ``param_specs``, the parameters' own Flax metadata is mapped instead (as
+            ``model.init`` returns them, boxed by ``nn.with_logical_partitioning`` /
+            ``nn.with_partitioning``, or an ``nnx.State`` whose Variables carry
+            ``out_sharding``; :mod:`jzero.core.boxed`), a box's own rules first; parameters
+            with no metadata are refused with a ``ValueError`` (the rules would do nothing).
+            A ``with nn.logical_axis_rules(...)`` context is not read here.
         precision: a :class:`Precision` policy (default: everything float32).
         offload: ``"optimizer"`` keeps the sharded Optax state and fp32 master weights in
             pinned host memory (ZeRO-Offload; stages 1-3); each step streams them through
@@ -136,6 +142,8 @@ class ZeroOptimizer:
         )
 
     def _user_specs(self, shapes: Any) -> Any:
+        if self.param_specs is None and self.rules is not None:
+            return self._box_specs(shapes)
         if self.param_specs is None:
             return jax.tree.map(lambda _: P(), shapes)
         try:
@@ -149,6 +157,24 @@ class ZeroOptimizer:
         if self.rules is not None:
             specs = logical_to_mesh(specs, self.rules)
         return fit_specs(shapes, specs, self.mesh, drop_data=False)
+
+    def _box_specs(self, shapes: Any) -> Any:
+        """``rules=`` without ``param_specs=``: the specs Flax's metadata on the (boxed)
+        parameters gives under the rules; parameters without any are refused."""
+        if not has_boxes(shapes):
+            raise ValueError(
+                "rules= maps logical axis names to mesh axes, but there are none to map: "
+                "param_specs= is not given and the parameters carry no Flax partitioning "
+                "metadata (they are unboxed), so the rules would change nothing. Pass the "
+                "boxed parameters as model.init returns them (variables['params'], not "
+                "nn.unbox(...)), or param_specs= naming logical axes, e.g. "
+                "nn.get_partition_spec(variables['params']); or use "
+                "jzero.linen.TrainState.create(..., rules=) / jzero.nnx.TrainState.create, "
+                "which read the metadata. Without logical names, drop rules=."
+            )
+        specs = box_specs(shapes, rules=self.rules, mesh=self.mesh)
+        specs = jax.tree.unflatten(jax.tree.structure(shapes), specs)
+        return fit_specs(shapes, specs, self.mesh)
 
     def init(
         self,
