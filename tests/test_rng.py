@@ -13,8 +13,10 @@ import pytest
 from _models import assert_tree_close, reference
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jzero
+from jzero.core import rng
 
 N, D = 8, 6  # devices, width
 ROWS = 2  # rows per device: a batch of 16
@@ -216,3 +218,118 @@ def test_nnx_state_with_rng_keys_checkpoints_and_restores_typed(tmp_path):
     assert jax.dtypes.issubdtype(got["key"].dtype, jax.dtypes.prng_key)
     np.testing.assert_array_equal(jax.random.key_data(got["key"]), jax.random.key_data(want["key"]))
     assert int(got["count"]) == int(want["count"])
+
+
+# ------------------------------------------------- key arrays of any shape, under shard_map
+KEY_SHAPES = [(), (3,), (2, 3)]  # one key; one per layer (nnx.split_rngs); a grid of them
+
+
+def keys_of(shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.split(jax.random.key(11), shape) if shape else jax.random.key(11)
+
+
+def each_key(keys: jax.Array):
+    """(index, key) for every element of a key array (one pair for a single key)."""
+    return [(idx, keys[idx]) for idx in np.ndindex(keys.shape)]
+
+
+def on_every_device(body, keys: jax.Array) -> np.ndarray:
+    """``body(keys)`` run under ``shard_map`` over 'data' (``keys`` replicated): every
+    device's result, stacked, ``uint32[N, *keys.shape, 2]`` (key data)."""
+    run = lambda keys: jax.random.key_data(body(keys))[None]
+    mesh = jzero.data_mesh()
+    return np.asarray(jax.shard_map(run, mesh=mesh, in_specs=P(), out_specs=P("data"))(keys))
+
+
+def settled(keys: jax.Array, loss) -> jax.Array:
+    """Inside the step: what ``settle`` makes of the keys ``loss`` returns for the folded
+    ones it is given."""
+    seen = rng.for_device({"rng": keys}, "data")
+    new = {"rng": loss(seen["rng"])}
+    return rng.settle(new, seen=seen, given={"rng": keys}, axes="data")["rng"]
+
+
+def key_data(key: jax.Array) -> np.ndarray:
+    return np.array(jax.random.key_data(key))  # a writable host copy
+
+
+@pytest.mark.parametrize("shape", KEY_SHAPES)
+def test_for_device_folds_every_key_of_a_key_array_with_the_device_index(shape):
+    keys = keys_of(shape)
+    got = on_every_device(lambda k: rng.for_device({"rng": k}, "data")["rng"], keys)
+    assert got.shape == (N, *shape, 2)
+    for i in range(N):
+        for idx, key in each_key(keys):
+            np.testing.assert_array_equal(got[i][idx], key_data(jax.random.fold_in(key, i)))
+    folded = {k.tobytes() for k in got.reshape(-1, 2)}
+    assert len(folded) == N * keys.size  # per device and per element
+    assert not folded & {k.tobytes() for k in key_data(keys).reshape(-1, 2)}
+
+
+def copy(key: jax.Array) -> jax.Array:
+    """A new array holding the same keys (as a key comes back through a remat or a scan)."""
+    return jax.random.wrap_key_data(jax.random.key_data(key) + 0)
+
+
+@pytest.mark.parametrize("loss", [lambda k: k, copy], ids=["same_array", "same_values"])
+@pytest.mark.parametrize("shape", KEY_SHAPES)
+def test_settle_gives_back_the_unfolded_keys_the_loss_left_as_they_were(shape, loss):
+    keys = keys_of(shape)
+    got = on_every_device(lambda k: settled(k, loss), keys)
+    for i in range(N):
+        np.testing.assert_array_equal(got[i], key_data(keys))
+
+
+def bump(key: jax.Array) -> jax.Array:
+    """A key replaced by another (its data plus one): different on every device."""
+    return jax.random.wrap_key_data(jax.random.key_data(key) + 1)
+
+
+@pytest.mark.parametrize("shape", KEY_SHAPES)
+def test_settle_makes_replaced_keys_device_zeros_on_every_device(shape):
+    keys = keys_of(shape)
+    got = on_every_device(lambda k: settled(k, bump), keys)
+    want = key_data(keys) * 0
+    for idx, key in each_key(keys):
+        want[idx] = key_data(jax.random.fold_in(key, 0)) + 1
+    for i in range(N):
+        np.testing.assert_array_equal(got[i], want)
+
+
+def test_settle_decides_element_by_element():
+    """Of a stacked key, the element the loss replaced is device 0's, the others unfolded."""
+    keys = keys_of((3,))
+    replace_second = lambda k: jax.random.wrap_key_data(jax.random.key_data(k).at[1].add(1))
+    got = on_every_device(lambda k: settled(k, replace_second), keys)
+    want = key_data(keys)
+    want[1] = key_data(jax.random.fold_in(keys[1], 0)) + 1
+    for i in range(N):
+        np.testing.assert_array_equal(got[i], want)
+
+
+def test_settle_agrees_when_only_some_devices_replaced_a_key():
+    """Device 0 leaves its keys, the others replace theirs: every device ends with device
+    0's (its folded keys), not a mix of unfolded and replaced ones."""
+    keys = keys_of((2, 3))
+
+    def some(k):
+        data = jax.random.key_data(k)
+        return jax.random.wrap_key_data(jnp.where(jax.lax.axis_index("data") == 0, data, data + 1))
+
+    got = on_every_device(lambda k: settled(k, some), keys)
+    want = np.stack([key_data(jax.random.fold_in(key, 0)) for _, key in each_key(keys)])
+    for i in range(N):
+        np.testing.assert_array_equal(got[i], want.reshape(2, 3, 2))
+
+
+@pytest.mark.parametrize("shape", KEY_SHAPES)
+def test_agree_gives_device_zeros_key_array_or_leaves_an_invariant_one(shape):
+    keys = keys_of(shape)
+    varying = on_every_device(lambda k: rng.agree(bump(rng.for_device(k, "data")), "data"), keys)
+    invariant = on_every_device(lambda k: rng.agree(k, "data"), keys)
+    want = key_data(keys) * 0
+    for idx, key in each_key(keys):
+        want[idx] = key_data(jax.random.fold_in(key, 0)) + 1
+    for i in range(N):
+        np.testing.assert_array_equal(varying[i], want)
+        np.testing.assert_array_equal(invariant[i], key_data(keys))
