@@ -98,9 +98,9 @@ def test_a_lost_peer_ends_the_survivor_with_a_message_within_the_bound(how):
     assert (
         "no training step finished in 5 s" in survivor.stderr or "a step failed" in survivor.stderr
     ), survivor.stderr[-3000:]
-    # bound: start-up and compilation (~10-20 s here) + the 5 s watchdog, well under
-    # JAX's own 10 s heartbeat abort after the loss, and never the 100 s default
-    assert survivor.seconds < 60, survivor.seconds
+    # jzero left first: status 1 with its message, not JAX's heartbeat abort (SIGABRT, 134)
+    # nor the run_processes safety timeout -- no wall-clock bound, which a loaded CPU breaks
+    assert "Terminating process" not in survivor.stderr, survivor.stderr[-3000:]
 
 
 def test_numpy_batch_is_fine_in_one_process():
