@@ -1,0 +1,445 @@
+"""The documentation's benchmark tables and plots, generated from the committed JSON.
+
+Nothing measured is typed into the docs: every figure on the benchmark page (and the
+tables the guides include) is written here from ``benchmarks/*.json``, which
+``scripts/bench.py``, ``scripts/accuracy.py`` and ``scripts/frozen_peer_trials.py`` write.
+The PASS/FAIL lines are the scripts' own checks (``bench.checks``, ``max_model_table``)
+run on the committed numbers.
+
+    python scripts/figures.py                      # into docs/_generated (scripts/docs.sh)
+    python scripts/figures.py --out /tmp/figs
+    python scripts/figures.py --headline docs/figures/stages_cpu8.png   # the README's figure
+
+Every PNG carries the sha256 of the JSON it was drawn from in a ``Source`` text chunk
+(:func:`source_tag`), so a test can tell a committed figure that is out of date.
+Optional inputs (``accuracy_cpu8.json``, ``frozen_peer_trials.json``) are skipped when
+absent, and their fragments say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+STAGE_RUNS = ("dp", "zero1", "zero2", "zero3", "auto_fsdp")
+VARIANT_RUNS = (
+    "zero3", "zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_qgz",
+    "zero3_offload",
+)  # fmt: skip
+WHAT = {
+    "dp": "stage 0 (plain data parallel)",
+    "zero1": "stage 1",
+    "zero2": "stage 2",
+    "zero3": "stage 3",
+    "zero3_bucket": "stage 3, `bucket=True`",
+    "zero3_auto": "stage 3, the step's own per-layer gathering",
+    "zero3_prefetch": "stage 3, `prefetch=True`",
+    "zero3_int8": "stage 3, `Precision(gather_quant='int8')`",
+    "zero3_qgz": "stage 3, `Precision(grad_quant='int8')`",
+    "zero3_offload": "stage 3, `offload='optimizer'`",
+    "auto_fsdp": "plain `jax.jit` with sharded params (XLA's collectives)",
+}
+
+
+def _load_script(name: str) -> Any:
+    """``scripts/<name>.py`` as a module (their checks and tables are the source of truth)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def source_tag(path: Path) -> str:
+    """What a figure was drawn from: the JSON's name and the sha256 of its bytes."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return f"{path.relative_to(ROOT).as_posix()} sha256={digest}"
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:,.1f}"
+
+
+def _md_table(rows: list[tuple[str, ...]]) -> str:
+    head, *body = rows
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def _heading(bench: dict[str, Any]) -> str:
+    m, s = bench["model"], bench["settings"]
+    return (
+        f"`{m['name']}`: {m['params']:,} parameters ({m['dtype']}), {s['optimizer']}, "
+        f"global batch {s['batch']} of {s['seq_len']} tokens, on {bench['devices']} "
+        f"{bench['platform']} devices, jax {bench['jax']}; median of {s['steps']} steps "
+        f"after {s['warmup']} warm-up steps."
+    )
+
+
+def _run_row(r: dict[str, Any]) -> tuple[str, ...]:
+    comm = r["comm_bytes_per_device"]
+    return (
+        f"`{r['name']}`",
+        _mb(r["model_state_bytes_per_device"]),
+        _mb(r["theory_model_state_bytes_per_device"]),
+        _mb(r["host_bytes_per_device"]),
+        _mb(r["peak_bytes_per_device"]),
+        _mb(comm["total"]),
+        _mb(r["theory_comm_bytes_per_device"]),
+        _mb(comm["all-gather"]),
+        str(r["collectives_per_step"]),
+        f"{r['step_ms_median']:.0f}",
+        f"{r['loss_last']:.6f}",
+    )
+
+
+RUN_HEAD = (
+    "run", "states MB", "theory", "host MB", "peak MB", "comm MB", "theory", "gather MB",
+    "colls", "ms", "final loss",
+)  # fmt: skip
+
+
+RUN_KEY = (
+    "Per device, MB = 1e6 bytes: model states (params, gradients, optimizer state) and "
+    "their theory, of which in host memory; compiled peak; bytes sent per step (ring "
+    "model) and their theory, of which all-gathers; collectives per step; median step "
+    "time in ms; final loss."
+)
+
+
+def bench_runs_md(bench: dict[str, Any], names: tuple[str, ...] | None = None) -> str:
+    """The benchmark's runs (all, or ``names``) as a Markdown table, then its key."""
+    runs = [r for r in bench["runs"] if names is None or r["name"] in names]
+    return _md_table([RUN_HEAD, *[_run_row(r) for r in runs]]) + "\n\n" + RUN_KEY
+
+
+def bench_ratios_md(bench: dict[str, Any]) -> str:
+    """The ratios the guides quote, computed from the runs (absent runs are left out)."""
+    runs = {r["name"]: r for r in bench["runs"]}
+    lines = []
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        if a in runs and b in runs and runs[b][key]:
+            return runs[a][key] / runs[b][key]
+        return None
+
+    def comm(name: str) -> float:
+        return runs[name]["comm_bytes_per_device"]["total"]
+
+    if (p := ratio("zero3", "dp", "peak_bytes_per_device")) is not None:
+        lines.append(f"stage 3's compiled peak is {p:.3f} x stage 0's")
+    if "auto_fsdp" in runs:
+        theory = lambda name: runs[name]["theory_comm_bytes_per_device"]
+        lines.append(
+            f"plain `jit` (`auto_fsdp`) moves {comm('auto_fsdp') / theory('auto_fsdp'):.2f} x"
+            f" the ring-model bytes; jzero's stage 3 moves {comm('zero3') / theory('zero3'):.4f} x"
+        )
+    if "zero3_bucket" in runs:
+        z, b = runs["zero3"], runs["zero3_bucket"]
+        lines.append(
+            f"`bucket=True`: {b['collectives_per_step']} collectives per step instead of "
+            f"{z['collectives_per_step']}, at {b['step_ms_median'] / z['step_ms_median']:.2f} x"
+            " stage 3's step time"
+        )
+    for name, what in (("zero3_int8", "all-gather"), ("zero3_qgz", None)):
+        if name in runs:
+            r, z = runs[name], runs["zero3"]
+            if what:
+                part = r["comm_bytes_per_device"][what] / z["comm_bytes_per_device"][what]
+                text = f"all-gather bytes {part:.3f} x stage 3's"
+            else:
+                a2a = sum(r["all_to_all_bytes_by_dtype"].values())
+                part = a2a / z["comm_bytes_per_device"]["reduce-scatter"]
+                text = f"gradient bytes {part:.3f} x stage 3's reduce-scatters"
+            lines.append(
+                f"`{name}`: {text}; step time {r['step_ms_median'] / z['step_ms_median']:.2f} x;"
+                f" final loss {abs(r['loss_last'] / z['loss_last'] - 1):.1e} relative from "
+                "stage 3's"
+            )
+    if "zero3_offload" in runs:
+        r, z = runs["zero3_offload"], runs["zero3"]
+        lines.append(
+            f"`zero3_offload`: {_mb(r['host_bytes_per_device'])} MB per device in pinned host "
+            f"memory, step time {r['step_ms_median'] / z['step_ms_median']:.2f} x stage 3's, "
+            f"final loss {'equal to' if r['loss_last'] == z['loss_last'] else 'unlike'} "
+            "stage 3's"
+        )
+    return "\n".join(f"- {line}." for line in lines)
+
+
+def bench_targets_md(bench: dict[str, Any]) -> str:
+    """``scripts/bench.py``'s own PASS/FAIL checks, run on the committed numbers."""
+    checks = _load_script("bench").checks(bench)
+    return "```text\n" + "\n".join(checks) + "\n```"
+
+
+def checkpoint_md(ck: dict[str, Any]) -> str:
+    """Checkpoint throughput (``bench_cpu8.json``'s ``checkpoint`` object)."""
+    m, other = ck["model"], ck["restore_other"]
+    what = {
+        "save_blocking": "`save` returns (asynchronous: arrays off the devices)",
+        "save_total": "`save` on disk (`wait()` returns)",
+        "restore_same": f"`restore` into the same layout (stage {ck['stage']})",
+        "restore_other": f"`restore` into stage {other['stage']} on {other['devices']} devices",
+        "export": "`export_safetensors` (the parameters)",
+    }
+    rows = [("operation", "seconds (median)", "MB/s", "first call (compiles), s")]
+    for op, text in what.items():
+        o = ck["ops"][op]
+        rows.append(
+            (text, f"{o['seconds']:.2f}", f"{o['mb_per_s']:,.0f}", f"{o['seconds_cold']:.2f}")
+        )
+    head = (
+        f"`{m['name']}`: {m['params']:,} parameters ({m['dtype']}) + {ck['optimizer']} "
+        f"state, stage {ck['stage']} on {ck['devices']} devices: "
+        f"{ck['state_bytes'] / 1e6:,.1f} MB of state, median of {ck['reps']} repetitions."
+    )
+    return head + "\n\n" + _md_table(rows)
+
+
+def max_model_md(mm_json: dict[str, Any]) -> str:
+    """The largest model per budget (ZeRO's Table 2, measured by compiling)."""
+    mm = mm_json["max_model"]
+    fam = mm["family"]
+    head = (
+        f"`examples/gpt.py` at width {fam['d_model']} ({fam['n_heads']} heads, "
+        f"{fam['seq_len']} positions, vocabulary {fam['vocab']}, {fam['dtype']}, global batch "
+        f"{fam['batch']}), depth varied: the most layers whose compiled step fits "
+        f"{mm['budget']} per device on {mm['devices']} {mm_json['platform']} devices."
+    )
+    rows = [(
+        "run", "layers", "parameters", "compiled peak MB", "estimate", "model-states-only estimate",
+    )]  # fmt: skip
+    for s in mm["stages"]:
+        rows.append((
+            f"`{s['name']}`", str(s["layers"]), f"{s['params']:,}", _mb(s["peak_bytes"]),
+            f"{s['estimate_params']:,}", f"{s['estimate_params_model_states']:,}",
+        ))  # fmt: skip
+    table = _load_script("max_model").max_model_table(mm, platform=mm_json["platform"])
+    verdicts = [line for line in table.splitlines() if line.startswith(("PASS", "FAIL"))]
+    body = head + "\n\n" + _md_table(rows)
+    return body + ("\n\n```text\n" + "\n".join(verdicts) + "\n```" if verdicts else "")
+
+
+def accuracy_md(acc: dict[str, Any] | None) -> str:
+    """Final-loss differences over seeds (``scripts/accuracy.py``), or a note when absent."""
+    if acc is None:
+        return (
+            "No `benchmarks/accuracy_cpu8.json` is committed yet: "
+            "`python scripts/accuracy.py --json benchmarks/accuracy_cpu8.json` writes it."
+        )
+    s, m = acc["settings"], acc["model"]
+    head = (
+        f"`{m['name']}` ({m['params']:,} parameters), stage {s['stage']} on {acc['devices']} "
+        f"{acc['platform']} devices ({acc['cpu']}), jax {acc['jax']}; "
+        f"{s.get('optimizer_text', s.get('optimizer'))}, global batch {s['batch']}, "
+        f"{s['steps']} steps, seeds {s['seeds'][0]}-{s['seeds'][-1]}; a run's final loss is "
+        f"the {s.get('final', 'last training loss')}. Each variant relative to the exact run "
+        "of the same seed, `(variant - exact) / exact`:"
+    )
+    rows = [("variant", "mean", "std", "min", "max", "curves equal to exact")]
+    for v in acc["variants"]:
+        rows.append((
+            f"`{v['name']}`", f"{v['rel_diff_mean']:+.2e}", f"{v['rel_diff_std']:.2e}",
+            f"{v['rel_diff_min']:+.2e}", f"{v['rel_diff_max']:+.2e}",
+            f"{v['curves_equal_exact']} / {len(v['rel_diff'])}",
+        ))  # fmt: skip
+    return head + "\n\n" + _md_table(rows)
+
+
+def frozen_peer_md(fp: dict[str, Any] | None) -> str:
+    """Who speaks first when a peer freezes (``scripts/frozen_peer_trials.py``)."""
+    if fp is None:
+        return (
+            "No `benchmarks/frozen_peer_trials.json` is committed yet: "
+            "`python scripts/frozen_peer_trials.py --json benchmarks/frozen_peer_trials.json` "
+            "writes it."
+        )
+    s = fp["summary"]
+    msg, out = s["seconds_to_message"], s["seconds_to_exit"]
+    rows = [
+        ("trials", str(s["trials"])),
+        ("jzero's message came first", f"{s['trials'] - s['lost_races']} / {s['trials']}"),
+        ("the survivor named the frozen process", f"{s['named_the_frozen_process']}"),
+        ("seconds from the freeze to the message (min / median / max)",
+         " / ".join(f"{x:.1f}" if x is not None else "-" for x in msg.values())),
+        ("seconds from the freeze to the survivor's exit (min / median / max)",
+         " / ".join(f"{x:.1f}" if x is not None else "-" for x in out.values())),
+        ("resumed process said it had been stopped", str(s["resumed_said_it_was_stopped"])),
+    ]  # fmt: skip
+    head = (
+        f"`initialize(timeout={fp['timeout']:g})`, watchdog {fp['watchdog']:g} s, JAX's "
+        f"earliest heartbeat abort {fp['earliest_jax_abort_s']:g} s, jax {fp['jax']}."
+    )
+    return head + "\n\n" + _md_table([("", ""), *rows])
+
+
+# ----------------------------------------------------------------------------------- plots
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Any, path: Path, source: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata={"Software": None, "Source": source_tag(source)})
+
+
+def plot_stages(bench: dict[str, Any], path: Path, source: Path) -> None:
+    """Per device, stages 0-3 and plain ``jit``: memory (model states, compiled peak) and
+    communication per step (measured, ring-model theory). The README's figure."""
+    runs = [r for r in bench["runs"] if r["name"] in STAGE_RUNS]
+    names = [r["name"] for r in runs]
+    x = range(len(runs))
+    fig = _figure(9.0, 3.6)
+    mem, comm = fig.subplots(1, 2)
+    w = 0.38
+    mem.bar([i - w / 2 for i in x], [r["model_state_bytes_per_device"] / 1e6 for r in runs], w,
+            label="model states")  # fmt: skip
+    mem.bar([i + w / 2 for i in x], [r["peak_bytes_per_device"] / 1e6 for r in runs], w,
+            label="compiled peak")  # fmt: skip
+    mem.set_title("memory per device (MB)")
+    comm.bar([i - w / 2 for i in x], [r["comm_bytes_per_device"]["total"] / 1e6 for r in runs],
+             w, label="measured (HLO)")  # fmt: skip
+    comm.bar([i + w / 2 for i in x], [r["theory_comm_bytes_per_device"] / 1e6 for r in runs], w,
+             label="ring-model theory")  # fmt: skip
+    comm.set_title("communication per step per device (MB)")
+    for ax in (mem, comm):
+        ax.set_xticks(list(x), names)
+        ax.legend(frameon=False, fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    m = bench["model"]
+    fig.suptitle(
+        f"{m['name']} ({m['params'] / 1e6:.1f}M params, {m['dtype']}), "
+        f"{bench['devices']} {bench['platform']} devices",
+        fontsize=10,
+    )
+    _save(fig, path, source)
+
+
+def plot_variants(bench: dict[str, Any], path: Path, source: Path) -> None:
+    """Every run: step time, compiled peak and bytes per step."""
+    runs = bench["runs"]
+    names = [r["name"] for r in runs]
+    fig = _figure(10.0, 3.4)
+    axes = fig.subplots(1, 3)
+    panels = [
+        ("step time (ms)", [r["step_ms_median"] for r in runs]),
+        ("compiled peak per device (MB)", [r["peak_bytes_per_device"] / 1e6 for r in runs]),
+        ("communication per step (MB)", [r["comm_bytes_per_device"]["total"] / 1e6 for r in runs]),
+    ]
+    for ax, (title, values) in zip(axes, panels):
+        ax.barh(range(len(runs)), values, color="#4c72b0")
+        ax.set_yticks(range(len(runs)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    _save(fig, path, source)
+
+
+def plot_max_model(mm_json: dict[str, Any], path: Path, source: Path) -> None:
+    """The largest model per stage: measured (compiled) against the estimator."""
+    stages = mm_json["max_model"]["stages"]
+    names = [s["name"] for s in stages]
+    x = range(len(stages))
+    fig = _figure(6.4, 3.6)
+    ax = fig.add_subplot()
+    w = 0.27
+    series = [
+        ("measured (compiled peak fits)", "params", -w),
+        ("estimator", "estimate_params", 0.0),
+        ("estimator, model states only", "estimate_params_model_states", w),
+    ]
+    for label, key, dx in series:
+        ax.bar([i + dx for i in x], [s[key] / 1e6 for s in stages], w, label=label)
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("parameters (M)")
+    ax.set_title(f"largest model within {mm_json['max_model']['budget']} per device", fontsize=10)
+    ax.legend(frameon=False, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, path, source)
+
+
+def plot_memory_vs_devices(bench: dict[str, Any], path: Path, source: Path) -> None:
+    """Model states per device against N for stages 0-3 (the estimator, ZeRO's Figure 1),
+    with the benchmark's measured points (``jzero.cli.plot``)."""
+    from jzero.cli.plot import plot_model_states, read_measured
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot_model_states(
+        str(path),
+        params=bench["model"]["params"],
+        precision="fp32" if bench["model"]["dtype"] == "float32" else "mixed",
+        measured=read_measured(str(source)),
+    )
+
+
+# ------------------------------------------------------------------------------------ main
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def generate(out: Path) -> list[Path]:
+    """Writes every fragment and plot into ``out``; returns what it wrote."""
+    out.mkdir(parents=True, exist_ok=True)
+    bench_path, mm_path = BENCH / "bench_cpu8.json", BENCH / "max_model_cpu8.json"
+    bench, mm = _read(bench_path), _read(mm_path)
+    if bench is None or mm is None:
+        raise SystemExit(f"{bench_path} and {mm_path} are needed: scripts/bench.py writes them.")
+    texts = {
+        "bench_heading.md": _heading(bench),
+        "bench_runs.md": bench_runs_md(bench),
+        "bench_stages.md": bench_runs_md(bench, STAGE_RUNS),
+        "bench_variants.md": bench_runs_md(bench, VARIANT_RUNS),
+        "bench_ratios.md": bench_ratios_md(bench),
+        "bench_targets.md": bench_targets_md(bench),
+        "bench_checkpoint.md": checkpoint_md(bench["checkpoint"]),
+        "max_model.md": max_model_md(mm),
+        "accuracy.md": accuracy_md(_read(BENCH / "accuracy_cpu8.json")),
+        "frozen_peer.md": frozen_peer_md(_read(BENCH / "frozen_peer_trials.json")),
+    }
+    written = []
+    for name, text in texts.items():
+        (out / name).write_text(text + "\n")
+        written.append(out / name)
+    plots = [
+        (plot_stages, bench, bench_path, "stages_cpu8.png"),
+        (plot_variants, bench, bench_path, "runs_cpu8.png"),
+        (plot_memory_vs_devices, bench, bench_path, "memory_vs_devices.png"),
+        (plot_max_model, mm, mm_path, "max_model_cpu8.png"),
+    ]
+    for plot, data, source, name in plots:
+        plot(data, out / name, source)
+        written.append(out / name)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "_generated")
+    parser.add_argument(
+        "--headline", type=Path, help="write only the README's figure (stages_cpu8.png) here"
+    )
+    args = parser.parse_args(argv)
+    if args.headline:
+        source = BENCH / "bench_cpu8.json"
+        plot_stages(json.loads(source.read_text()), args.headline, source)
+        print(args.headline)
+        return
+    for path in generate(args.out):
+        print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
