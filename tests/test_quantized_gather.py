@@ -3,14 +3,19 @@
 The int8 blocks round-trip within half a quantization step; on the wire they are s8
 all-gathers (plus fp32 scales) of <= 0.3x fp32's bytes and <= 0.55x bf16's, while the
 reduce-scatters stay as they were; a step's gradients are exactly those of the loss at the
-dequantized parameters (straight-through), by every gathering path; the example LM trains
-to within 5 % of the unquantized loss; bad settings are refused with the fix.
+dequantized parameters (straight-through), by every gathering path and on the example LM
+from states along its exact AdamW run, whose loss then moves by at most the first-order
+bound; a quantized 200-step run of it still trains; bad settings are refused with the fix.
+No test compares the end of a quantized run with the end of an exact one: those
+trajectories are chaotic (tests/_lm.py, scripts/accuracy.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
+from collections.abc import Callable
 
 import _models
 import jax
@@ -18,7 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _lm import LM_STEPS, final, lm_losses
+from _lm import (
+    LM_STEPS,
+    SNAPSHOTS,
+    TRAINED,
+    exact_snapshot,
+    final,
+    lm_losses,
+    sgd_step,
+    value_and_grad,
+)
 from _models import (
     awkward_batches,
     awkward_loss,
@@ -100,18 +114,20 @@ def test_quantized_all_gather_sends_each_shard_roundtripped():
     assert {c.dtype for c in colls if c.kind == "all-gather"} == {"s8", "f32"}
 
 
-def _dequantized(state: jzero.ZeroState, quant: Quant, *, per_layer: bool) -> dict:
+def _dequantized(state: jzero.ZeroState, quant: Quant, *, per_layer: Callable[[str], bool]) -> dict:
     """The parameters as a quantized stage-3 gather delivers them: each device's shard
-    round-tripped (a stacked leaf one layer at a time, as stage 3 gathers it in a scan)."""
+    round-tripped (a stacked leaf, ``per_layer(its key path)``, one layer at a time, as
+    stage 3 gathers it in a scan)."""
     plan = state.plan
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
 
     def body(leaves):
         out = []
-        for x, lay in zip(leaves, plan.layouts):
+        for x, lay, path in zip(leaves, plan.layouts, paths, strict=True):
             one = lambda s, lay=lay: quantized_all_gather([s], [lay], quant=quant)[0]
             if not lay.sharded:
                 out.append(x)
-            elif per_layer:
+            elif per_layer(path):
                 out.append(jnp.stack([one(x[i]) for i in range(x.shape[0])]))
             else:
                 out.append(one(x))
@@ -152,7 +168,8 @@ def test_gradients_are_those_at_the_dequantized_params(path):
     )
     state, batch = opt.init(init()), batch_fn()
     params = opt.full_params(state)
-    w_hat = _dequantized(state, INT8.gather_quantizer, per_layer=model == "stacked")
+    stacked = model == "stacked"
+    w_hat = _dequantized(state, INT8.gather_quantizer, per_layer=lambda _: stacked)
     step = opt.train_step(loss_fn, **options)
     state, _ = step(state, batch)
 
@@ -211,15 +228,18 @@ def test_quantized_gathers_send_a_quarter_of_fp32(param_dtype, ratio):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"gather_quant": "int4"}, "Precision.gather_quant must be None or 'int8', got 'int4'"),
-        ({"gather_quant": jnp.int8}, "Precision.gather_quant must be None or 'int8'"),
+        (
+            {"gather_quant": "int4"},
+            "Precision.gather_quant must be None, 'int8' or 'fp8' (float8_e4m3fn), got 'int4'",
+        ),
+        ({"gather_quant": jnp.int8}, "Precision.gather_quant must be None, 'int8' or 'fp8'"),
         ({"gather_quant": "int8", "quant_block": 0}, "Precision.quant_block must be a positive"),
         ({"gather_quant": "int8", "quant_block": 2.5}, "Precision.quant_block must be a positive"),
         ({"gather_quant": "int8", "quant_block": True}, "Precision.quant_block must be a positive"),
     ],
 )
 def test_bad_quantization_settings_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         jzero.Precision(**kwargs)
 
 
@@ -230,14 +250,45 @@ def test_quantized_gathers_below_stage_3_are_refused():
         step(opt.init(stacked_params()), stacked_batch())
 
 
-ADAMW = optax.adamw(1e-2, weight_decay=0.1)
+def _abs_dot(a: dict, b: dict) -> float:
+    """sum |a| * |b| over every element of two trees."""
+    return float(sum(np.sum(np.abs(x) * np.abs(y)) for x, y in zip(*map(jax.tree.leaves, (a, b)))))
+
+
+@pytest.mark.parametrize("at", SNAPSHOTS)
+def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at):
+    """From the exact AdamW run's state after ``at`` steps, one int8-gathered step of the
+    example LM (sgd(1.0): its update is the gradient) computes the loss and gradient at the
+    dequantized parameters w_hat, each within half a quantization step (<= absmax/254) of
+    the exact w; so its loss is within the first-order bound sum |grad L(w)| * |w_hat - w|
+    of the exact L(w) (Hoelder's inequality; the curvature term is far smaller: the loss
+    moved 40 to 100x less than the bound at every state). Each check is of one step from
+    one state, whose rounding is 1e-7 of what is compared: it holds on any CPU."""
+    params, batch = exact_snapshot(at)
+    opt, step = sgd_step(INT8)
+    state = opt.init(params)
+    w_hat = _dequantized(state, INT8.gather_quantizer, per_layer=lambda p: "blocks" in p)
+    state, metrics = step(state, batch)
+
+    loss_hat, grads_hat = value_and_grad(w_hat, batch)  # one device, the whole batch
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss_hat), rtol=1e-6)
+    want = jax.tree.map(lambda w, g: w - g, params, grads_hat)  # sgd(1.0)
+    _models.assert_tree_close(opt.full_params(state), want, rtol=1e-5, atol=1e-6)
+
+    error = jax.tree.map(lambda h, w: np.abs(np.asarray(h) - w), w_hat, params)
+    for e, w in zip(*map(jax.tree.leaves, (error, params))):
+        assert e.max() <= np.abs(w).max() / 254 * (1 + 1e-6)  # a block's absmax <= the leaf's
+    loss, grads = value_and_grad(params, batch)
+    bound = _abs_dot(grads, error)
+    moved = abs(float(loss_hat) - float(loss))
+    assert 0 < moved <= bound
+    print(f"after {at} steps: loss {float(loss):.4f}, int8-gathered {float(loss_hat):.4f}; "
+          f"|difference| {moved:.2e} <= first-order bound {bound:.2e}")  # fmt: skip
 
 
 @pytest.mark.slow
-def test_example_lm_trains_within_5_percent_of_unquantized():
-    exact = lm_losses(ADAMW, jzero.Precision())
-    quantized = lm_losses(ADAMW, INT8)
-    assert final(exact) < 0.7 * exact[0]  # it learned something
-    assert abs(final(quantized) - final(exact)) <= 0.05 * final(exact)
-    print(f"example LM, {LM_STEPS} steps: final loss {final(exact):.4f} exact, "
-          f"{final(quantized):.4f} int8 gathers")  # fmt: skip
+def test_example_lm_trains_with_int8_gathers():
+    """200 steps with int8 gathers end below 0.7 x the first loss (tests/_lm.py: TRAINED)."""
+    losses = lm_losses(INT8)
+    assert final(losses) < TRAINED * losses[0]
+    print(f"example LM, int8 gathers, {LM_STEPS} steps: final loss {final(losses):.4f}")

@@ -5,8 +5,10 @@ its block for int8, absmax/7 for int4), rounded stochastically, so without bias;
 wire the reduce-scatter becomes an s8 (or u8: two int4 values a byte) all-to-all plus
 f32 scales of <= 0.3x (int8) / 0.15x (int4) the fp32 volume; the owner's sum is the fp32
 sum of the round-tripped parts, so a step's update stays within the summed per-device
-bound of the exact one, at every stage and gathering path; the example LM trains close to
-the exact loss; bad settings are refused with the fix.
+bound of the exact one, at every stage and gathering path, and on the example LM from
+states along its exact AdamW run; a quantized 200-step run of it still trains; bad
+settings are refused with the fix. No test compares the end of a quantized run with the
+end of an exact one: those trajectories are chaotic (tests/_lm.py, scripts/accuracy.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _lm import LM_STEPS, final, lm_losses
+from _lm import (
+    BATCH,
+    LM_STEPS,
+    SNAPSHOTS,
+    TRAINED,
+    exact_snapshot,
+    final,
+    lm_losses,
+    sgd_step,
+    value_and_grad,
+)
 from _models import stacked_batch, stacked_loss, stacked_params
 from jax.sharding import PartitionSpec as P
 
@@ -253,18 +265,48 @@ def test_quantized_gradients_at_stage_0_are_refused():
         step(opt.init(stacked_params()), stacked_batch())
 
 
-# SGD with momentum: an update proportional to the gradient, so the loss follows the
-# gradients' error (Adam's per-element normalisation magnifies the error of elements small
-# against their block's absmax; README gives those figures).
-SGD = optax.sgd(0.1, momentum=0.9)
+def _lm_per_device_grads(params: dict, batch: dict) -> tuple[float, list]:
+    """The example LM's loss on the whole batch, and each device's gradient of its own
+    slice of the batch, on one device."""
+    per = BATCH // N
+    slices = [{"tokens": batch["tokens"][d * per : (d + 1) * per]} for d in range(N)]
+    return float(value_and_grad(params, batch)[0]), [value_and_grad(params, b)[1] for b in slices]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("at", SNAPSHOTS)
+def test_lm_step_from_the_exact_trajectory_is_within_the_summed_bound(at, dtype):
+    """From the exact AdamW run's state after ``at`` steps, one step of the example LM with
+    quantized gradient reduce-scatters (sgd(1.0): its update is the reduced gradient) is
+    within the summed per-device bound of the exact gradient, and its loss (forward is
+    exact) is the exact loss. One step from one state: it holds on any CPU."""
+    params, batch = exact_snapshot(at)
+    opt, step = sgd_step(jzero.Precision(grad_quant=dtype))
+    state, metrics = step(opt.init(params), batch)
+    got = jax.tree.map(lambda w, w1: w - np.asarray(w1), params, opt.full_params(state))
+
+    loss, per_device = _lm_per_device_grads(params, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-6)
+    exact = jax.tree.map(lambda *g: sum(g) / N, *per_device)
+    absmax = jax.tree.map(lambda *g: sum(jnp.max(jnp.abs(x)) / N for x in g), *per_device)
+    worst = 0.0
+    for g, want, a in zip(*map(jax.tree.leaves, (got, exact, absmax))):
+        bound = a / LEVELS[dtype] * (1 + 1e-4) + 1e-6  # + fp32 rounding of w - g
+        err = float(jnp.max(jnp.abs(g - want)))
+        assert err <= float(bound)
+        worst = max(worst, err / float(bound))
+    rel_l2 = [float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) for g, w in
+              zip(jax.tree.leaves(got), jax.tree.leaves(exact))]  # fmt: skip
+    assert max(rel_l2) > 1e-4  # really quantized
+    print(f"after {at} steps, {dtype}: largest error / bound {worst:.2f}, "
+          f"relative L2 error up to {max(rel_l2):.1e}")  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_example_lm_trains_within_1_percent_of_exact(dtype):
-    exact = lm_losses(SGD, jzero.Precision())
-    quantized = lm_losses(SGD, jzero.Precision(grad_quant=dtype))
-    assert final(exact) < 0.7 * exact[0]  # it learned something
-    assert abs(final(quantized) - final(exact)) <= 0.01 * final(exact)
-    print(f"example LM, {LM_STEPS} steps: final loss {final(exact):.4f} exact, "
-          f"{final(quantized):.4f} {dtype} gradients")  # fmt: skip
+def test_example_lm_trains_with_quantized_gradients(dtype):
+    """200 steps with quantized gradients end below 0.7 x the first loss (tests/_lm.py:
+    TRAINED)."""
+    losses = lm_losses(jzero.Precision(grad_quant=dtype))
+    assert final(losses) < TRAINED * losses[0]
+    print(f"example LM, {dtype} gradients, {LM_STEPS} steps: final loss {final(losses):.4f}")
