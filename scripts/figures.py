@@ -278,7 +278,7 @@ def frozen_peer_md(fp: dict[str, Any] | None) -> str:
         f"`initialize(timeout={fp['timeout']:g})`, watchdog {fp['watchdog']:g} s, JAX's "
         f"earliest heartbeat abort {fp['earliest_jax_abort_s']:g} s, jax {fp['jax']}."
     )
-    return head + "\n\n" + _md_table([("", ""), *rows])
+    return head + "\n\n" + _md_table([("over the trials", "result"), *rows])
 
 
 # ----------------------------------------------------------------------------------- plots
