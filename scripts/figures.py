@@ -49,7 +49,12 @@ WHAT = {
 
 
 def _load_script(name: str) -> Any:
-    """``scripts/<name>.py`` as a module (their checks and tables are the source of truth)."""
+    """``scripts/<name>.py`` as a module (their checks and tables are the source of truth).
+    Their imports (``examples/gpt.py``, ``scripts/max_model.py``) are found as
+    ``scripts/bench.py`` finds them."""
+    for folder in (ROOT / "examples", ROOT / "scripts"):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
