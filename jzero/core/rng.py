@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..internal.primitives import varying_axes
+
 
 def is_key(x: Any) -> bool:
     """Whether ``x`` is a typed PRNG key array (``jax.random.key``)."""
@@ -102,7 +104,7 @@ def _impl(key: jax.Array) -> Any:
 
 def _varies(x: jax.Array, axes: str | tuple[str, ...]) -> bool:
     names = (axes,) if isinstance(axes, str) else tuple(axes)
-    return bool(set(names) & jax.typeof(x).mat.varying)
+    return bool(set(names) & varying_axes(x))
 
 
 def _everywhere(flags: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
