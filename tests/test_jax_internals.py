@@ -48,7 +48,12 @@ ATTRIBUTES = [
     ("jax._src.core", "pvary_p"),
     ("jax._src.core", "ShapedArray"),
     ("jax._src.lax.parallel", "reduce_scatter_p"),
+    ("jax._src.distributed", "global_state"),  # jzero.internal.coordination
 ]
+
+# The coordination client's key-value calls jzero.internal.coordination makes (the client
+# exists only after jax.distributed.initialize: its type is read from jaxlib).
+CLIENT_METHODS = ("key_value_set", "key_value_try_get", "key_value_dir_get")
 
 
 @pytest.mark.parametrize("module, name", ATTRIBUTES)
@@ -329,3 +334,16 @@ def test_the_interpreter_re_runs_every_kind_exactly():
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1][0], want[1][0])
         np.testing.assert_array_equal(got[1][1], want[1][1])
+
+
+def test_the_coordination_client_has_the_key_value_calls_jzero_makes():
+    from jax._src import distributed
+
+    state = distributed.global_state
+    assert hasattr(state, "client"), _changed("jax._src.distributed.global_state.client", "is gone")
+    from jax._src.lib import _jax
+
+    client_type = getattr(_jax, "DistributedRuntimeClient", None)
+    assert client_type is not None, _changed("jaxlib's DistributedRuntimeClient", "is gone")
+    for name in CLIENT_METHODS:
+        assert hasattr(client_type, name), _changed(f"DistributedRuntimeClient.{name}", "is gone")
