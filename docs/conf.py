@@ -1,13 +1,15 @@
 """Sphinx configuration of jzero's documentation (built by ``bash scripts/docs.sh``).
 
 Offline by design: no intersphinx, no remote assets. Markdown pages are read by MyST; the
-API reference comes from the docstrings (autodoc + napoleon, Google style). The benchmark
-page's tables and the figures come from ``benchmarks/*.json`` through ``scripts/figures.py``,
-which ``scripts/docs.sh`` runs into ``docs/_generated`` before this build.
+API reference comes from the docstrings (autodoc + napoleon, Google style). Before reading
+the pages, the build writes ``docs/_generated``: the benchmark tables and figures from
+``benchmarks/*.json`` (``scripts/figures.py``) and the design page's module map from the
+package's docstrings.
 """
 
 import ast
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -205,8 +207,19 @@ def write_module_table(out: Path) -> None:
     out.write_text("\n".join(rows) + "\n", encoding="utf-8")
 
 
+def write_figures(out: Path) -> None:
+    """The benchmark tables and plots, from ``benchmarks/*.json`` (``scripts/figures.py``),
+    written at every build so that no page shows numbers older than the JSON."""
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "scripts" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    figures.generate(out)
+
+
 def setup(app):
-    write_module_table(Path(__file__).parent / "_generated" / "modules.md")
+    generated = Path(__file__).parent / "_generated"
+    write_module_table(generated / "modules.md")
+    write_figures(generated)
     app.config._jzero_public = _public_names()
     app.connect("missing-reference", _resolve_internal)
     app.connect("autodoc-skip-member", _skip_foreign_attribute)

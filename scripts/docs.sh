@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # Builds the documentation site into docs/_build/html, offline and with warnings as errors:
-# the benchmark tables and figures from benchmarks/*.json (scripts/figures.py), the guides
-# and the API reference from the docstrings (Sphinx + MyST + autodoc, nitpicky), then every
-# internal link and anchor checked (scripts/check_links.py). Creates or reuses .venv and
-# installs jzero[docs] into it, as scripts/test.sh does with jzero[dev]; only that install
-# needs the network. Extra arguments go to sphinx-build (e.g. -j auto).
+# the guides, the API reference from the docstrings (Sphinx + MyST + autodoc, nitpicky) and
+# the benchmark tables and figures from benchmarks/*.json (scripts/figures.py, which
+# docs/conf.py runs), then checks every internal link and anchor (scripts/check_links.py).
+# Creates or reuses .venv and installs jzero[docs] into it, as scripts/test.sh does with
+# jzero[dev]; only that install needs the network. Extra arguments go to sphinx-build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[docs]'
 export JAX_PLATFORMS=cpu  # autodoc imports jzero; nothing touches an accelerator
-.venv/bin/python scripts/figures.py --out docs/_generated >/dev/null
 rm -rf docs/_build/html
 .venv/bin/python -m sphinx -b html -n -W --keep-going -E -q "$@" docs docs/_build/html
 .venv/bin/python scripts/check_links.py docs/_build/html

@@ -6,7 +6,7 @@ tables the guides include) is written here from ``benchmarks/*.json``, which
 The PASS/FAIL lines are the scripts' own checks (``bench.checks``, ``max_model_table``)
 run on the committed numbers.
 
-    python scripts/figures.py                      # into docs/_generated (scripts/docs.sh)
+    python scripts/figures.py                      # into docs/_generated (as docs/conf.py does)
     python scripts/figures.py --out /tmp/figs
     python scripts/figures.py --headline docs/figures/stages_cpu8.png   # the README's figure
 
