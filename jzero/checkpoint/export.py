@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.checks import check_live
 from ..core.layout import unpad
+from ..core.mesh_types import on_compute_mesh
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stored
 from ..core.state import ZeroState
@@ -207,7 +208,7 @@ def _gather_program(mesh: Any, stored: Stored, dtype: np.dtype) -> Callable[[jax
         x = unpad(x, stored.layout) if stored.partitioned else x
         return x.astype(dtype)
 
-    return jax.jit(gather, out_shardings=NamedSharding(mesh, P()))
+    return jax.jit(on_compute_mesh(gather, mesh), out_shardings=NamedSharding(mesh, P()))
 
 
 def _export_dtype(dtype: Any) -> np.dtype | None:

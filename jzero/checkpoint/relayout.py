@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ..core.mesh_types import on_compute_mesh
 from ..core.optimizer import ZeroOptimizer
 from ..core.placement import state_shardings, store, view
 from ..core.plan import Plan, Stored
@@ -108,6 +109,6 @@ def assemble_state(
             plan=plan,
         )
 
-    fn = jax.jit(build, out_shardings=state_shardings(plan, precision))
+    fn = jax.jit(on_compute_mesh(build, plan.mesh), out_shardings=state_shardings(plan, precision))
     state = fn(weights, opt_state, arrays["step"], loss_scale)
     return state.replace(model_state=rebuilt)

@@ -4,7 +4,9 @@ Everything here follows the :class:`Plan`: ``store`` pads the leaves it stores p
 ``view`` slices the padding off again, ``state_shardings`` names every leaf's sharding;
 ``init_program`` builds a fresh state straight into that layout and ``full_params`` brings
 the parameters (``full_state``: every model state) back whole. ``to_device`` and ``to_host``
-move leaves between memory kinds inside a jitted program (optimizer offload).
+move leaves between memory kinds inside a jitted program (optimizer offload). Programs
+compute on the plan's compute mesh and constrain to it; what they return is typed with the
+user's mesh (``state_shardings``, :func:`typed_state`; :mod:`.mesh_types`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .checks import check_live
 from .layout import pad, unpad
+from .mesh_types import is_auto, on_compute_mesh, typed
 from .plan import Plan, Stored
 from .precision import LossScale, Precision
 from .state import ZeroState
@@ -42,7 +45,7 @@ def view(tree: Any, stored: tuple[Stored, ...]) -> Any:
 
 def device_sharding(plan: Plan, stored: Stored) -> jax.sharding.NamedSharding:
     """The leaf's planned sharding, but in the device's own memory (where XLA computes)."""
-    return plan.sharding(stored).with_memory_kind("device")
+    return plan.compute_sharding(stored).with_memory_kind("device")
 
 
 def to_device(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
@@ -59,14 +62,16 @@ def to_host(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
         if s.memory_kind is None:
             return x
         x = jax.lax.with_sharding_constraint(x, device_sharding(plan, s))
-        return jax.device_put(x, plan.sharding(s))
+        return jax.device_put(x, plan.compute_sharding(s))
 
     return _map(move, tree, stored)
 
 
 def constrain(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
-    """``with_sharding_constraint`` of every leaf to its planned sharding."""
-    return _map(lambda x, s: jax.lax.with_sharding_constraint(x, plan.sharding(s)), tree, stored)
+    """``with_sharding_constraint`` of every leaf to its planned sharding (on the compute
+    mesh)."""
+    wsc = lambda x, s: jax.lax.with_sharding_constraint(x, plan.compute_sharding(s))
+    return _map(wsc, tree, stored)
 
 
 def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
@@ -92,6 +97,27 @@ def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
     )
 
 
+def typed_state(state: ZeroState) -> ZeroState:
+    """Inside ``jit``: ``state`` with every leaf typed with its sharding on the plan's mesh
+    (:func:`.mesh_types.typed`), the same as it has on the compute mesh; the model state,
+    step and loss scale replicated. On a mesh of ``Auto`` axes, ``state`` as it is."""
+    plan = state.plan
+    if is_auto(plan.mesh):
+        return state
+    replicated = lambda tree: typed(tree, jax.tree.map(lambda _: plan.sharding(P()), tree))
+    master = None
+    if state.master is not None:
+        master = typed(state.master, plan.shardings(plan.master, plan.params_def))
+    return state.replace(
+        step=replicated(state.step),
+        params=typed(state.params, plan.shardings(plan.params, plan.params_def)),
+        opt_state=typed(state.opt_state, plan.shardings(plan.opt, plan.opt_def)),
+        model_state=replicated(state.model_state),
+        master=master,
+        loss_scale=replicated(state.loss_scale),
+    )
+
+
 def init_program(
     tx: optax.GradientTransformation,
     plan: Plan,
@@ -113,7 +139,7 @@ def init_program(
             plan=plan,
         )
 
-    return jax.jit(init, out_shardings=state_shardings(plan, precision))
+    return jax.jit(on_compute_mesh(init, plan.mesh), out_shardings=state_shardings(plan, precision))
 
 
 def _whole(plan: Plan, stored: tuple[Stored, ...], treedef: Any) -> Any:
@@ -123,7 +149,8 @@ def _whole(plan: Plan, stored: tuple[Stored, ...], treedef: Any) -> Any:
 @functools.lru_cache(maxsize=32)
 def _full_params_program(plan: Plan) -> Callable[[Any], Any]:
     out = _whole(plan, plan.params, plan.params_def)
-    return jax.jit(lambda params: view(params, plan.params), out_shardings=out)
+    program = lambda params: view(params, plan.params)
+    return jax.jit(on_compute_mesh(program, plan.mesh), out_shardings=out)
 
 
 def full_params(state: ZeroState) -> Any:
@@ -146,7 +173,7 @@ def _full_state_program(plan: Plan) -> Callable[[Any, Any, Any], Any]:
         opt_state = view(to_device(plan, opt_state, plan.opt), plan.opt)
         return view(params, plan.params), opt_state, master
 
-    return jax.jit(program, out_shardings=out)
+    return jax.jit(on_compute_mesh(program, plan.mesh), out_shardings=out)
 
 
 def full_state(state: ZeroState) -> ZeroState:

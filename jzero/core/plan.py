@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .._table import table
 from .layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
+from .mesh_types import compute_mesh
 
 Stage = Literal[0, 1, 2, 3]
 HOST = "pinned_host"
@@ -69,7 +70,9 @@ class Plan:
     """Placement of a run's parameters, optimizer state and fp32 master weights.
 
     Attributes:
-        mesh: the device mesh (its ``data`` axis is the one partitioned along).
+        mesh: the device mesh as the user gave it, of any axis types (its ``data`` axis is
+            the one partitioned along); the stored leaves are typed with it, and jzero's
+            programs compute on :attr:`compute_mesh`.
         stage: the ZeRO stage, 0 to 3; ``partitions_*`` say what it means.
         params_def, params: treedef and per-leaf :class:`Stored` of the parameters.
         opt_def, opt: the same for the Optax state.
@@ -157,11 +160,20 @@ class Plan:
         """The optimizer state's :class:`LeafLayout` s, shaped like the Optax state."""
         return jax.tree.unflatten(self.opt_def, self.opt_layouts)
 
+    @property
+    def compute_mesh(self) -> Mesh:
+        """The mesh jzero's programs compute on: ``mesh`` with every axis ``Auto``
+        (:mod:`.mesh_types`)."""
+        return compute_mesh(self.mesh)
+
     def sharding(self, stored: Stored | P) -> NamedSharding:
-        """The ``NamedSharding`` of a stored leaf (or of a spec, on this mesh)."""
-        if isinstance(stored, P):
-            return NamedSharding(self.mesh, stored)
-        return NamedSharding(self.mesh, stored.spec, memory_kind=stored.memory_kind)
+        """The ``NamedSharding`` of a stored leaf (or of a spec) on ``mesh``: the leaf at
+        rest, as init, the step and export return it."""
+        return _named(self.mesh, stored)
+
+    def compute_sharding(self, stored: Stored | P) -> NamedSharding:
+        """:meth:`sharding` on :attr:`compute_mesh`: what programs constrain leaves to."""
+        return _named(self.compute_mesh, stored)
 
     def shardings(self, stored: tuple[Stored, ...], treedef: Any) -> Any:
         return jax.tree.unflatten(treedef, [self.sharding(s) for s in stored])
@@ -174,6 +186,12 @@ class Plan:
             dim = "-" if lay.dim is None else str(lay.dim)
             rows.append((path, str(lay.shape), dim, str(lay.padded), str(lay.pad), str(lay.spec)))
         return table(rows)
+
+
+def _named(mesh: Mesh, stored: Stored | P) -> NamedSharding:
+    if isinstance(stored, P):
+        return NamedSharding(mesh, stored)
+    return NamedSharding(mesh, stored.spec, memory_kind=stored.memory_kind)
 
 
 def _paths(treedef: Any) -> list[tuple[Any, Any]]:

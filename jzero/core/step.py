@@ -9,13 +9,14 @@ updated shards are ``all_gather``-ed afterwards.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .agreement import Agreement
@@ -27,8 +28,9 @@ from .checks import check_batch, check_global_batch, check_live, check_state
 from .comm.collectives import all_gather
 from .layout import pad, unpad
 from .memory import check_state_offload
+from .mesh_types import on_compute_mesh, typed
 from .offload.update import offloaded_update
-from .placement import constrain, store, view
+from .placement import constrain, store, typed_state, view
 from .plan import Plan
 from .precision import Precision
 from .state import ZeroState
@@ -183,7 +185,7 @@ def make_train_step(
         grad_specs = [lay.data_spec() if plan.partitions_opt_state else P() for lay in plan.layouts]
         fwd_bwd = jax.shard_map(
             body,
-            mesh=alias_mesh(plan.mesh, aliases) if aliases else plan.mesh,
+            mesh=alias_mesh(plan.compute_mesh, aliases) if aliases else plan.compute_mesh,
             in_specs=(
                 jax.tree.unflatten(plan.params_def, [s.data_spec for s in plan.params]),
                 jax.tree.map(lambda _: P(), state.model_state),
@@ -196,7 +198,7 @@ def make_train_step(
         loss, grads, model_state, aux = fwd_bwd(state.params, state.model_state, scale, batch)
         if aliases:  # back from the alias mesh onto the state's own (one compiled step)
             loss, model_state, aux = jax.lax.with_sharding_constraint(
-                (loss, model_state, aux), plan.sharding(P())
+                (loss, model_state, aux), plan.compute_sharding(P())
             )
         # Global view from here: sums -> means (and unscaled), padding sliced off.
         ok = None  # Weighted: whether the global count is valid (else the step is skipped)
@@ -239,8 +241,22 @@ def make_train_step(
         prefetch=prefetch,
     )
     agreement = Agreement(stage=stage, mesh=mesh, precision=precision, options=options)
-    jitted = jax.jit(step, donate_argnums=0 if donate else ())
+    jitted = jax.jit(_on_mesh(step, mesh), donate_argnums=0 if donate else ())
     return TrainStep(jitted, donate, mesh=mesh, agreement=agreement)
+
+
+def _on_mesh(step: Callable, mesh: Mesh) -> Callable:
+    """``step`` computed on the compute mesh, its results typed with ``mesh`` again
+    (:mod:`.mesh_types`: only types change on a mesh with ``Explicit`` axes)."""
+    compute = on_compute_mesh(step, mesh)
+
+    @functools.wraps(step)
+    def typed_step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        new_state, metrics = compute(state, batch)
+        replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), metrics)
+        return typed_state(new_state), typed(metrics, replicated)
+
+    return typed_step
 
 
 def _update(
@@ -291,12 +307,12 @@ def _update(
 def _all_gather_params(plan: Plan, params: Any) -> Any:
     """Stages 1/2: updated shards -> full replicated parameters, by explicit all-gather."""
     shards = [
-        jax.lax.with_sharding_constraint(pad(p, lay), plan.sharding(lay.spec))
+        jax.lax.with_sharding_constraint(pad(p, lay), plan.compute_sharding(lay.spec))
         for p, lay in zip(jax.tree.leaves(params), plan.layouts)
     ]
     gather_fn = jax.shard_map(
         lambda ps: [all_gather(p, lay) if lay.sharded else p for p, lay in zip(ps, plan.layouts)],
-        mesh=plan.mesh,
+        mesh=plan.compute_mesh,
         in_specs=([lay.data_spec() for lay in plan.layouts],),
         out_specs=[P()] * len(plan.layouts),
         axis_names=set(plan.manual_axes),
