@@ -3,6 +3,11 @@
 An optional ``replica`` axis makes the run *hybrid* (FSDP2's HSDP, ZeRO++'s hpZ, MiCS):
 model states are sharded within a ``data`` group (e.g. one host's devices, fast links)
 and replicated across the ``replica`` groups (slow links); the batch is split over both.
+
+Axes may be of any type JAX builds meshes with: ``Auto`` (:func:`data_mesh`,
+:func:`hybrid_mesh`), ``Explicit`` (``jax.make_mesh``'s default, often under
+``jax.set_mesh``) or a mix. jzero computes on the mesh's ``Auto`` twin and returns arrays
+typed with the mesh given (:mod:`.mesh_types`).
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     It logs the mesh it built (logger ``"jzero"``, level INFO), and a WARNING with the fix
     when the only device is one CPU (jzero would then train on one device).
 
-    The axis is ``AxisType.Auto`` so that the Optax update, which runs in the global view,
-    may contract over sharded dimensions (see docs/design.md, "Traps").
+    The axis is ``AxisType.Auto``. A mesh from ``jax.make_mesh`` (``Explicit`` axes) works
+    the same: jzero computes on an ``Auto`` twin of it and returns arrays typed with it
+    (:mod:`jzero.core.mesh_types`).
 
     Examples:
         >>> mesh = jzero.data_mesh()
@@ -85,7 +91,10 @@ def hybrid_mesh(replicas: int, devices: Sequence[jax.Device] | None = None) -> M
 
 
 def check_mesh(mesh: Mesh) -> int:
-    """Validates ``mesh`` for jzero and returns the size of its ``data`` axis."""
+    """Validates ``mesh`` for jzero and returns the size of its ``data`` axis.
+
+    Its axes may be ``Auto`` or ``Explicit`` (:mod:`.mesh_types`); ``Manual`` axes, the
+    type ``shard_map`` gives axes inside its body, are refused."""
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
@@ -104,14 +113,12 @@ def check_mesh(mesh: Mesh) -> int:
             "use jzero.data_mesh() or name one axis 'data', e.g. "
             "jax.make_mesh((n, m), ('data', 'model'))."
         )
-    explicit = [
-        name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit
-    ]
-    if explicit:
+    manual = [n for n, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Manual]
+    if manual:
         raise ValueError(
-            f"mesh axes {explicit} are AxisType.Explicit; jzero runs the Optax update in the "
-            "global view, where explicit axes make ordinary Optax code fail. Build the mesh "
-            "with axis_types=(jax.sharding.AxisType.Auto, ...)."
+            f"mesh axes {manual} are AxisType.Manual, the type jax.shard_map gives axes inside "
+            "its body; jzero runs its own shard_map. Pass the mesh with Auto or Explicit axes, "
+            "e.g. jax.make_mesh(shape, names) or jzero.data_mesh()."
         )
     return mesh.shape[DATA]
 

@@ -44,7 +44,11 @@ class ZeroOptimizer:
             a ``'replica'`` axis too (:func:`jzero.core.mesh.hybrid_mesh`) the sharding is
             hybrid (HSDP): model states are sharded within each ``'data'`` group and
             replicated across ``'replica'``; the batch is split over both, and gradients are
-            reduced within the group, then their shards all-reduced across replicas.
+            reduced within the group, then their shards all-reduced across replicas. Axes
+            may be ``Auto`` or ``Explicit`` (``jax.make_mesh``'s default; also under
+            ``jax.set_mesh``): jzero computes on the mesh's ``Auto`` twin and returns arrays
+            typed with this mesh (:mod:`jzero.core.mesh_types`). It is always passed here: a
+            mesh set with ``jax.set_mesh`` is not read in its place.
         stage: 0 (plain data parallel), 1 (optimizer state partitioned), 2 (+ gradients),
             3 (+ parameters).
         min_shard_size: leaves with fewer elements, and scalars, stay replicated (default 0:
