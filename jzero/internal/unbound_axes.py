@@ -8,6 +8,10 @@ without JAX's varying-axes checks, where a collective over a name the mesh lacks
 ``NameError('... unbound axis name: NAME ...')``; each such name is added to the mesh (size
 1) and the trace repeated until it succeeds, and the collectives naming the added axes
 are read from the resulting jaxpr.
+
+:func:`vmapped_collectives` reads the same trace for collectives over an axis the function
+binds itself with ``jax.vmap(..., axis_name=...)``: without the checks, vmap turns them
+into collectives over array positions (``psum[axes=(0,)]``).
 """
 
 from __future__ import annotations
@@ -66,6 +70,32 @@ def unbound_axes(
             for name in sorted(eqn.axis_names & unknown)
         ]
     return []
+
+
+def vmapped_collectives(
+    fn: Callable[..., Any], args: Sequence[Any], axis_sizes: Mapping[str, int]
+) -> list[Unbound]:
+    """The collectives in ``fn(*args)`` over an axis bound by a ``jax.vmap`` inside ``fn``
+    (``axis`` is '' since vmap leaves no name behind), first use first; empty when there
+    are none, or when ``fn`` cannot be traced here."""
+    try:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), args)
+        traced = _trace(fn, abstract, dict(axis_sizes))
+    except Exception:  # noqa: BLE001 -- fails here for another reason: no diagnosis
+        return []
+    return [
+        Unbound("", eqn.api_name, eqn.where)
+        for eqn in walk(traced)
+        if eqn.api_name in _COLLECTIVE_NAMES and _positions(eqn.axes)
+    ]
+
+
+_COLLECTIVE_NAMES = frozenset({"psum/pmean", "pmax", "pmin"})
+"""The reductions vmap turns into reductions over positions."""
+
+
+def _positions(axes: Any) -> bool:
+    return isinstance(axes, tuple | list) and any(isinstance(a, int) for a in axes)
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any], sizes: dict[str, int]) -> Any:
