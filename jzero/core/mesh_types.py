@@ -6,12 +6,18 @@ fails where it contracts over a sharded dimension (Muon's Newton-Schulz matmuls 
 ``ShardingTypeError``), and so do slicing and padding a sharded dimension (jzero's
 padding). So every jitted program of jzero runs on the *compute mesh*
 (:func:`compute_mesh`): the user's mesh with every axis ``Auto`` -- the same devices,
-names and shape. :func:`on_compute_mesh` retypes a program's inputs onto it and makes it
-the ambient mesh while the program traces (whatever ``jax.set_mesh`` the caller is
-under); the program's results are typed with the user's mesh again, by ``out_shardings``
+names and shape. :func:`on_compute_mesh` retypes a program's inputs onto it and, while
+the program traces, puts it in place of any mesh the caller set with ``jax.set_mesh``;
+the program's results are typed with the user's mesh again, by ``out_shardings``
 on that mesh or by :func:`typed`. Both retypings change types only: the devices and
 specs are the same, so no data moves and the compiled collectives are those of an
 ``Auto`` mesh. On a mesh whose axes are all ``Auto`` nothing is retyped.
+
+The loss runs on the compute mesh too (in the step's ``shard_map``), so a model written
+for ``Auto`` axes runs unchanged; code in it that needs ``Explicit`` types, such as
+``jax.sharding.reshard`` to a spec naming a mesh axis (e.g. ``'model'``), raises JAX's
+"cannot contain axis names that are of type Auto" error there: constrain with
+``jax.lax.with_sharding_constraint`` instead.
 """
 
 from __future__ import annotations
