@@ -103,7 +103,9 @@ class Quant:
 
 def _levels(dtype: str) -> float:
     """The largest magnitude a quantized value takes: 127 (int8), 7 (int4) or 448 (fp8)."""
-    return {"int8": 127, "int4": 7, "fp8": FP8_MAX}[dtype]
+    if dtype == "fp8":
+        return FP8_MAX
+    return 7 if dtype == "int4" else 127
 
 
 def _blocks(total: int, block: int, *, even: bool = False) -> tuple[int, int]:
