@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 import jax
@@ -500,3 +501,89 @@ def test_bench_max_model_tiny_budget(tmp_path, capsys):
     if off["layers"] == z3["layers"]:
         losses = lambda s: (s["train"]["loss_first"], s["train"]["loss_last"])
         assert losses(off) == losses(z3)
+
+
+# ------------------------------------------------------------------ accuracy over seeds
+ACCURACY = ROOT / "scripts" / "accuracy.py"
+VARIANTS = ["exact", "int8_gather", "fp8_gather", "int8_grad", "int4_grad", "offload", "prefetch"]
+VARIANT_FIELDS = {
+    "name", "options", "seconds", "final_losses", "first_losses", "rel_diff", "rel_diff_mean",
+    "rel_diff_std", "rel_diff_min", "rel_diff_max", "curves_equal_exact",
+}  # fmt: skip
+
+
+def _load_accuracy():
+    spec = importlib.util.spec_from_file_location("accuracy", ACCURACY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_accuracy(result: dict, *, seeds: int, steps: int) -> None:
+    """scripts/accuracy.py's JSON: every variant run on the same seeds, its statistics
+    those of its per-seed figures, each relative to the exact run of the same seed."""
+    assert set(result) == {
+        "platform",
+        "cpu",
+        "devices",
+        "jax",
+        "model",
+        "data",
+        "settings",
+        "variants",
+    }
+    assert result["data"]["corpus_bytes"] > 0 and len(result["data"]["sha256"]) == 64
+    assert result["devices"] == 8 and isinstance(result["cpu"], str)
+    settings = result["settings"]
+    assert settings["stage"] == 3 and settings["steps"] == steps
+    assert settings["optimizer"] in {"train_lm", "adamw", "sgd"}
+    assert settings["seeds"] == list(range(seeds))
+    assert [v["name"] for v in result["variants"]] == VARIANTS
+    exact = result["variants"][0]
+    for v in result["variants"]:
+        assert set(v) == VARIANT_FIELDS, v["name"]
+        assert len(v["final_losses"]) == len(v["first_losses"]) == len(v["rel_diff"]) == seeds
+        assert all(math.isfinite(x) for x in v["final_losses"] + v["first_losses"]), v["name"]
+        want = [(f - e) / e for f, e in zip(v["final_losses"], exact["final_losses"])]
+        assert v["rel_diff"] == pytest.approx(want, rel=1e-12, abs=0), v["name"]
+        assert v["rel_diff_mean"] == pytest.approx(statistics.fmean(want), rel=1e-9, abs=1e-15)
+        spread = statistics.stdev(want) if seeds > 1 else 0.0
+        assert v["rel_diff_std"] == pytest.approx(spread, rel=1e-9, abs=1e-15), v["name"]
+        assert (v["rel_diff_min"], v["rel_diff_max"]) == (min(v["rel_diff"]), max(v["rel_diff"]))
+        assert 0 <= v["curves_equal_exact"] <= seeds and v["seconds"] > 0
+    assert exact["rel_diff"] == [0.0] * seeds and exact["curves_equal_exact"] == seeds
+    options = {v["name"]: v["options"] for v in result["variants"]}
+    assert options["int8_gather"] == {"manual_gather": True, "precision": {"gather_quant": "int8"}}
+    assert options["fp8_gather"] == {"manual_gather": True, "precision": {"gather_quant": "fp8"}}
+    assert options["int4_grad"] == {"manual_gather": True, "precision": {"grad_quant": "int4"}}
+    assert options["offload"] == {"manual_gather": True, "offload": "optimizer"}
+    assert options["prefetch"] == {"manual_gather": False, "prefetch": True}
+
+
+@pytest.mark.slow
+def test_accuracy_script_runs_every_variant_on_the_same_seeds(tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    argv = ["--seeds", "2", "--steps", "3", "--last", "2", "--layers", "1", "--d-model", "16"]
+    result = _load_accuracy().main([*argv, "--seq-len", "8", "--batch", "8", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    _check_accuracy(result, seeds=2, steps=3)
+    printed = capsys.readouterr().out.splitlines()
+    head = (
+        "gpt-L1-d16-h2-T8-V256, clip 1.0 + adamw(warmup-cosine to 0.01, wd=0.1), 3 steps, 2 seeds"
+    )
+    assert printed[0].startswith(head)
+    assert [line.split()[0] for line in printed[2:]] == VARIANTS
+    # Offload runs the same arithmetic: every seed's curve is the exact one, bit for bit.
+    assert result["variants"][VARIANTS.index("offload")]["curves_equal_exact"] == 2
+    # The quantized runs really are quantized: no curve equals the exact one.
+    for name in ("int8_gather", "fp8_gather", "int8_grad", "int4_grad"):
+        assert result["variants"][VARIANTS.index(name)]["curves_equal_exact"] == 0, name
+
+
+# train_lm's clipped warmup-cosine AdamW (the default), and constant-rate AdamW
+@pytest.mark.parametrize("name", ["accuracy_cpu8.json", "accuracy_adamw_cpu8.json"])
+def test_committed_accuracy_figures_are_consistent(name):
+    result = json.loads((ROOT / "benchmarks" / name).read_text())
+    settings = result["settings"]
+    assert len(settings["seeds"]) >= 4
+    _check_accuracy(result, seeds=len(settings["seeds"]), steps=settings["steps"])
