@@ -7,7 +7,9 @@ Inside ``shard_map``, ``lax.psum(x, 'batch')`` on a mesh without ``'batch'`` fai
 traces it again on its own (:func:`jzero.internal.unbound_axes.unbound_axes`) and, if one
 of its collectives names an axis that is neither a mesh axis nor an alias, raises an error
 that names the axis, the collective, the line that calls it and the fix (``axis_name=``,
-:mod:`.axis_alias`). Any other failure is left as it was.
+:mod:`.axis_alias`). Any other failure is left as it was. An axis the loss binds itself
+with ``jax.vmap(..., axis_name=...)`` is never named here (the vmap binds it in that trace
+too): the step runs such a loss through :mod:`jzero.internal.vmap_axes` instead.
 """
 
 from __future__ import annotations

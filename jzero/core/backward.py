@@ -25,6 +25,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ..internal.unbound_axes import vmapped_collectives
+from ..internal.vmap_axes import without_vma_checks
 from . import rng
 from .axis_alias import aliased
 from .axis_names import as_tuple, explain_unknown_axis
@@ -102,8 +104,10 @@ def local_grads(
     def user_loss(*args):
         try:
             return user_fn(*args)
-        except Exception as e:  # a collective over an axis the step lacks: say which
-            explain_unknown_axis(e, loss_fn, args, axis_sizes)
+        except Exception as e:
+            if vmapped_collectives(loss_fn, args, axis_sizes):  # over its own vmap's axis
+                return without_vma_checks(user_fn)(*args)
+            explain_unknown_axis(e, loss_fn, args, axis_sizes)  # over an axis the step lacks
             raise
 
     def call_loss(params, model_state, batch):
