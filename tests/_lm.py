@@ -80,15 +80,6 @@ def final(losses: list[float]) -> float:
     return float(np.mean(losses[-LM_LAST:]))
 
 
-def unigram_entropy() -> float:
-    """The entropy (nats) of the corpus's byte frequencies: the lowest loss a model that
-    ignores the context can reach. Not a margin for LM_STEPS-step runs on this corpus: they
-    end 0.1 to 0.65 nats below it (benchmarks/accuracy_cpu8.json); use TRAINED."""
-    counts = np.bincount(data.load_corpus(), minlength=LM.vocab_size)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
-
 @functools.cache
 def _exact_snapshots() -> dict[int, tuple[Any, dict[str, np.ndarray]]]:
     opt = jzero.ZeroOptimizer(adamw(), jzero.data_mesh(), stage=3, min_shard_size=1)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _lm import LM_STEPS, SNAPSHOTS, exact_snapshot, final, lm_losses, sgd_step, unigram_entropy
+from _lm import LM_STEPS, SNAPSHOTS, TRAINED, exact_snapshot, final, lm_losses, sgd_step
 from _lm import value_and_grad as lm_value_and_grad
 from _models import (
     awkward_batches,
@@ -379,6 +379,9 @@ def test_fp8_gathers_below_stage_3_are_refused():
 
 @pytest.mark.slow
 def test_example_lm_trains_with_fp8_gathers():
+    """200 steps with fp8 gathers end below 0.7 x the first loss (tests/_lm.py: TRAINED):
+    a margin of many seed-to-seed deviations, unlike the unigram entropy (finals reach 3.01
+    against its 3.12)."""
     losses = lm_losses(FP8)
-    assert final(losses) < unigram_entropy()
+    assert final(losses) < TRAINED * losses[0]
     print(f"example LM, fp8 gathers, {LM_STEPS} steps: final loss {final(losses):.4f}")
