@@ -22,12 +22,14 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+MAIN_JOB = ROOT / "examples" / "results" / "main_job_cpu8"  # .json and .png, if committed
 STAGE_RUNS = ("dp", "zero1", "zero2", "zero3", "auto_fsdp")
 VARIANT_RUNS = (
     "zero3", "zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_qgz",
@@ -286,6 +288,51 @@ def frozen_peer_md(fp: dict[str, Any] | None) -> str:
     return head + "\n\n" + _md_table([("over the trials", "result"), *rows])
 
 
+def main_job_md(mj: dict[str, Any] | None, figure: str | None) -> str:
+    """The main job's run (``examples/train_lm.py``, ``bash scripts/main.sh``): its model,
+    losses, speed and sample, from ``examples/results/main_job_cpu8.json``."""
+    if mj is None:
+        return (
+            "No `examples/results/main_job_cpu8.json` is committed yet: "
+            "`bash scripts/main.sh` trains the main job and `examples/README.md` says how "
+            "its results are recorded."
+        )
+    m, flags = mj["model"], mj.get("flags", {})
+    procs = f"{mj['processes']} process" + ("" if mj["processes"] == 1 else "es")
+    head = (
+        f"`examples/train_lm.py` at stage {mj['stage']} on {mj['devices']} {mj['platform']} "
+        f"devices ({procs}): a GPT of {m['layers']} layers, width "
+        f"{m['d_model']}, {m['heads']} heads, {m['seq_len']} positions ({mj['params']:,} "
+        f"parameters, {m['dtype']}), {mj['steps']} steps of {mj['batch_size']} sequences "
+        f"({mj['tokens_per_step']:,} tokens), learning rate {flags.get('lr')}; "
+        f"{mj['train_bytes']:,} bytes of text to train on, {mj['val_bytes']:,} held out."
+    )
+    first, last = mj["train_loss_first"], mj["train_loss_last"]
+    rows = [
+        ("measured", "value"),
+        ("training loss (nats per byte), first -> last", f"{first:.3f} -> {last:.3f}"),
+        ("held-out loss, final (lowest, at step)",
+         f"{mj['val_loss_final']:.3f} ({mj['val_loss_min']:.3f}, {mj['val_loss_min_step']})"),
+        ("tokens per second", f"{mj['tokens_per_s']:,.0f}"),
+        ("wall time, s", f"{mj['wall_s']:,.0f}"),
+    ]  # fmt: skip
+    sample = mj.get("sample", {})
+    text = [head, "", _md_table(rows)]
+    if sample:
+        text += [
+            "",
+            f"A sample at temperature {sample['temperature']} from the prompt "
+            f'"{sample["prompt"]}":',
+            "",
+            "```text",
+            sample["text"],
+            "```",
+        ]
+    if figure:
+        text += ["", f"![The main job's training and held-out loss]({figure})"]
+    return "\n".join(text)
+
+
 # ----------------------------------------------------------------------------------- plots
 def _figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -402,6 +449,10 @@ def generate(out: Path) -> list[Path]:
     bench, mm = _read(bench_path), _read(mm_path)
     if bench is None or mm is None:
         raise SystemExit(f"{bench_path} and {mm_path} are needed: scripts/bench.py writes them.")
+    main_job_png = None
+    if MAIN_JOB.with_suffix(".png").exists():  # drawn by the main job itself: copied in
+        shutil.copyfile(MAIN_JOB.with_suffix(".png"), out / "main_job_cpu8.png")
+        main_job_png = "/_generated/main_job_cpu8.png"
     texts = {
         "bench_heading.md": _heading(bench),
         "bench_runs.md": bench_runs_md(bench),
@@ -413,6 +464,7 @@ def generate(out: Path) -> list[Path]:
         "max_model.md": max_model_md(mm),
         "accuracy.md": accuracy_md(_read(BENCH / "accuracy_cpu8.json")),
         "frozen_peer.md": frozen_peer_md(_read(BENCH / "frozen_peer_trials.json")),
+        "main_job.md": main_job_md(_read(MAIN_JOB.with_suffix(".json")), main_job_png),
     }
     written = []
     for name, text in texts.items():

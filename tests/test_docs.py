@@ -218,7 +218,7 @@ def test_figures_are_generated_from_the_committed_json(tmp_path):
     figures = _figures()
     written = figures.generate(tmp_path)
     assert {p.name for p in written} >= {
-        "bench_runs.md", "bench_targets.md", "max_model.md", "stages_cpu8.png",
+        "bench_runs.md", "bench_targets.md", "max_model.md", "main_job.md", "stages_cpu8.png",
         "runs_cpu8.png", "memory_vs_devices.png", "max_model_cpu8.png",
     }  # fmt: skip
     bench = json.loads((ROOT / "benchmarks" / "bench_cpu8.json").read_text())
