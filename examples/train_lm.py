@@ -1,7 +1,8 @@
-"""Train a small GPT on shipped text with jzero (ZeRO stage 0-3), then sample from it.
+"""Train a small GPT on the King James Bible with jzero (ZeRO stage 0-3), then sample from it.
 
-    python examples/train_lm.py                 # stage 3 on 8 forced CPU devices
+    python examples/train_lm.py                 # stage 3 on 8 forced CPU devices, ~5 min
     python examples/train_lm.py --stage 1 --steps 100 --out runs/zero1
+    python examples/train_lm.py --verbose       # + the layout and per-collective report
     python examples/train_lm.py --checkpoint-dir runs/ckpt --save-every 100
     python examples/train_lm.py --checkpoint-dir runs/ckpt --resume     # after an interruption
     bash scripts/launch_local.sh 2 python examples/train_lm.py            # 2 processes x 4 CPUs
@@ -9,11 +10,15 @@
     python examples/train_lm.py --deepspeed-config examples/deepspeed/zero2_fp16.json
 
 Without a GPU/TPU the script forces ``--cpu-devices`` CPU devices (default 8) so that the
-data axis is real; on GPUs it uses all of them. The last ``--val-fraction`` of the text is
-held out of training and scored every ``--eval-every`` steps. Writes OUT/train.log (one
-line per step and per evaluation) and OUT/loss.png, prints the layout summary, the training
-and validation loss, a text sample and ``jzero.report``. Tensor names carry their shapes
-(B batch, T time, V vocab, N validation windows).
+data axis is real; on GPUs it uses all of them. The text is the complete King James Bible
+(4.3 MB, ``examples/data/``); whole chapters, a ``--val-fraction`` share of them spread
+evenly through it, are held out of training, and ``--val-windows`` fixed windows of them
+are scored every ``--eval-every`` steps. It prints a short summary: the run, a few points
+of the training and validation curves, tokens/s, a text sample and the longest span the
+sample shares with the training text (``--verbose`` adds the per-leaf layout and
+``jzero.report``'s per-collective table). Writes OUT/train.log (one line per step and per
+evaluation), OUT/loss.png (both curves) and OUT/summary.json (the figures, for tools).
+Tensor names carry their shapes (B batch, T time, V vocab, N validation windows).
 
 With ``--checkpoint-dir`` it saves a :class:`jzero.Checkpointer` checkpoint every
 ``--save-every`` steps and after the last; ``--resume`` continues from the newest valid one
@@ -40,19 +45,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 import optax
 from devices import bounded, global_batch, setup_devices, sync_processes
-from progress import trend
 from tqdm import tqdm
 
 import jzero
@@ -60,9 +63,10 @@ import jzero
 sys.path.insert(0, str(Path(__file__).parent))
 import data  # noqa: E402
 import gpt  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import progress  # noqa: E402
+import run_summary  # noqa: E402
+from progress import Clock  # noqa: E402
+from run_summary import json_float  # noqa: E402
 
 PRECISIONS = {
     "fp32": jzero.Precision(),
@@ -73,7 +77,7 @@ SAVE_EVERY = 100  # --save-every's default
 KEEP = 3  # checkpoints kept in --checkpoint-dir (older ones are deleted)
 # Flags an uninterrupted run depends on beyond the model's shapes (which the checkpoint
 # checks itself): the data order and the learning-rate schedule.
-RUN_FLAGS = ("seed", "batch_size", "seq_len", "val_fraction", "steps", "lr")
+RUN_FLAGS = ("seed", "batch_size", "seq_len", "val_fraction", "val_windows", "steps", "lr")
 # Flags that --deepspeed-config may set, with the config keys that set them.
 DEEPSPEED_FLAGS = {
     "stage": "zero_optimization.stage",
@@ -96,11 +100,11 @@ def positive_int(text: str) -> int:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=3)
-    p.add_argument("--steps", type=positive_int, default=800)
+    p.add_argument("--steps", type=positive_int, default=700)
     p.add_argument(
         "--batch-size", type=positive_int, default=32, help="global; a multiple of devices x K"
     )
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (AdamW)")
     p.add_argument(
         "--precision",
         choices=sorted(PRECISIONS),
@@ -125,9 +129,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=positive_int, default=128)
     p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument(
-        "--val-fraction", type=float, default=0.1, help="end of the text held out of training"
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share of the chapters held out of training, whole, spread evenly (0.1: every 10th)",
+    )
+    p.add_argument(
+        "--val-windows",
+        type=positive_int,
+        default=128,
+        help="fixed windows of --seq-len bytes, spread evenly over the held-out chapters, "
+        "that every evaluation scores",
     )
     p.add_argument("--eval-every", type=positive_int, default=50, help="steps between evals")
     p.add_argument("--seed", type=int, default=0)
@@ -135,6 +149,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--prompt", default="And God said")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print the per-leaf layout and jzero.report's per-collective table",
+    )
     p.add_argument(
         "--cpu-devices",
         type=int,
@@ -298,9 +317,10 @@ def echo(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: int) -> str:
+def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: int) -> np.ndarray:
     """Autoregressive sampling on one of this process's devices, over a sliding window of
-    ``cfg.seq_len``. ``params``: full arrays (``opt.full_params``, replicated everywhere)."""
+    ``cfg.seq_len``: the prompt's bytes and ``n_tokens`` more, ``uint8[...]``. ``params``:
+    full arrays (``opt.full_params``, replicated everywhere)."""
     params = jax.device_put(jax.tree.map(np.asarray, params), jax.local_devices()[0])
 
     @jax.jit
@@ -318,13 +338,7 @@ def sample(cfg, params, prompt: str, n_tokens: int, temperature: float, seed: in
         window_1xT[0, : len(context)] = context
         key, sub = jax.random.split(key)
         tokens.append(int(next_token(params, window_1xT, len(context) - 1, sub)))
-    return data.decode(np.array(tokens))
-
-
-def json_float(x: float) -> float | str:
-    """``x`` for JSON, which has no NaN or infinity: those become "nan", "inf", "-inf"
-    (``float`` reads them back). Finite floats round-trip exactly."""
-    return x if math.isfinite(x) else str(x)
+    return np.array(tokens, dtype=np.uint8)
 
 
 @dataclasses.dataclass
@@ -387,6 +401,103 @@ def replay(log: logging.Logger, curve: Curve, tokens_per_step: int) -> None:
         log_step(log, curve, i, tokens_per_step)
 
 
+def say(log: logging.Logger, line: str) -> None:
+    """``line`` printed (on process 0) and logged."""
+    echo(line)
+    log.info("%s", line)
+
+
+def describe_run(args, cfg, devices, n_params: int, train_text, val_text, n_val: int):
+    """The run in three lines: devices and model, the training budget, the data."""
+    where = f"{len(devices)} x {devices[0].platform}"
+    if jax.process_count() > 1:
+        where += f", {jax.process_count()} processes x {jax.local_device_count()}"
+    tokens = args.steps * args.batch_size * cfg.seq_len
+    return [
+        f"stage {args.stage} on {len(devices)} devices ({where}): GPT {n_params:,} params, "
+        f"{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads, "
+        f"{cfg.seq_len}-byte context, {jnp.dtype(cfg.dtype).name}",
+        f"training: {args.steps} steps x {args.batch_size} windows of {cfg.seq_len} bytes = "
+        f"{tokens:,} bytes, {tokens / len(train_text):.3g} passes over the training text",
+        f"data: the King James Bible, {len(train_text):,} bytes to train on, "
+        f"{len(val_text):,} held out ({args.val_fraction:.3g} of the chapters, whole), "
+        f"scored on {n_val} windows of {cfg.seq_len} bytes every {args.eval_every} steps",
+    ]
+
+
+def describe_figures(args, cfg, devices, n_params: int, train_text, val_text, n_val: int):
+    """:func:`describe_run`'s figures for summary.json."""
+    return {
+        "stage": args.stage,
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "platform": devices[0].platform,
+        "params": n_params,
+        "model": {
+            "layers": cfg.n_layers,
+            "d_model": cfg.d_model,
+            "heads": cfg.n_heads,
+            "seq_len": cfg.seq_len,
+            "dtype": jnp.dtype(cfg.dtype).name,
+        },
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "tokens_per_step": args.batch_size * cfg.seq_len,
+        "train_bytes": len(train_text),
+        "val_bytes": len(val_text),
+        "val_windows": n_val,
+        "flags": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
+
+
+def resumed_lines(args, ckpt, restored, n_devices: int, run_flags: dict) -> list[str]:
+    """What a resumed run says: from where, what it skipped, which flags changed."""
+    meta = ckpt.metadata(restored.step)
+    line = (
+        f"resumed from checkpoint step {restored.step} in {args.checkpoint_dir} (saved at "
+        f"stage {meta['stage']} on {meta['devices']} devices, now stage {args.stage} on "
+        f"{n_devices}), continuing to step {args.steps}"
+    )
+    line += "".join(
+        f"; skipped invalid step {s}: {' '.join(why.split())}" for s, why in restored.skipped
+    )
+    saved_flags = restored.extra.get("run", {})
+    changed = [
+        f"--{k.replace('_', '-')} {run_flags[k]} (checkpoint: {saved_flags[k]})"
+        for k in RUN_FLAGS
+        if k in saved_flags and saved_flags[k] != run_flags[k]
+    ]
+    if not changed:
+        return [line]
+    return [line, f"note: {', '.join(changed)}: the rest differs from an uninterrupted run"]
+
+
+def write_sample(args, cfg, params, train_text, val_text, log) -> dict:
+    """Samples ``--sample-tokens`` bytes after ``--prompt``, prints them with the longest
+    span they share with the training text, and returns summary.json's ``sample``."""
+    tokens = sample(cfg, params, args.prompt, args.sample_tokens, args.temperature, args.seed)
+    text = data.decode(tokens)
+    head = f"{args.sample_tokens} bytes after {args.prompt!r}, temperature {args.temperature:g}"
+    print(f"--- sample: {head} ---\n{text}\n---")
+    log.info("sample %r", text)
+    span, held_out = run_summary.shared_spans(tokens, train_text, val_text)
+    shared = data.decode(tokens[span.sample_start : span.sample_start + span.length])
+    line = (
+        f"longest span shared with the training text: {span.length} bytes, {shared!r} "
+        f"(held-out passages of the same {len(tokens)} bytes share {min(held_out)} to "
+        f"{max(held_out)}, median {int(np.median(held_out))})"
+    )
+    say(log, line)
+    return {
+        "prompt": args.prompt,
+        "temperature": args.temperature,
+        "text": text,
+        "shared_span_bytes": span.length,
+        "shared_span_text": shared,
+        "held_out_shared_span_bytes": held_out,
+    }
+
+
 def saved_steps(directory: Path) -> list[int]:
     """The finished checkpoints in ``directory`` (none if it does not exist)."""
     if not directory.is_dir():
@@ -399,6 +510,7 @@ def saved_steps(directory: Path) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = Clock.now()
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.checkpoint_dir is None:
@@ -432,6 +544,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction {args.val_fraction} is not between 0 and 1 (default 0.1)")
     corpus = data.load_corpus()
+    chapters = len(data.chapter_starts(corpus))
+    if not data.held_out_chapters(chapters, args.val_fraction).any():
+        parser.error(
+            f"--val-fraction {args.val_fraction:g} holds out none of the {chapters:,} "
+            f"chapters; use at least 1/{chapters} = {1 / chapters:.2g}"
+        )
     train_text, val_text = data.split(corpus, args.val_fraction)
     if len(val_text) < args.seq_len + 1 or len(train_text) < args.seq_len + 2:
         parser.error(
@@ -465,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     log = make_logger(args.out)
     try:
-        return run(args, parser, devices, train_text, val_text, log, ckpt, ds)
+        return run(args, parser, devices, train_text, val_text, log, ckpt, ds, started)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the asynchronous saves in flight, also when interrupted
@@ -474,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             log.removeHandler(handler)
 
 
-def run(args, parser, devices, train_text, val_text, log, ckpt, ds=None) -> int:
+def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> int:
     log.info("args %s", vars(args))
 
     # ---------------------------------------------------------------- model and data
@@ -522,51 +640,30 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds=None) -> int:
             next(batches)
     else:
         state = opt.init(init_fn=init_fn)
+    # Validation: the same --val-windows windows of the held-out chapters every time, padded
+    # to whole windows per device. They are scored on the full parameters (gathered,
+    # replicated), the windows split over 'data' (each process places its own:
+    # global_batch, as for the training batches).
+    val_windows = data.eval_windows(
+        val_text, seq_len=cfg.seq_len, multiple_of=len(devices), count=args.val_windows
+    )
+    n_val = int(val_windows["weight"].sum())
+    val_windows = global_batch(mesh, val_windows)
+    eval_loss = make_eval_loss(cfg)
     n_params = gpt.count_params(shapes)
-    where = f"{len(devices)} x {devices[0].platform}"
-    if jax.process_count() > 1:
-        where += f" ({jax.process_count()} processes x {jax.local_device_count()})"
-    echo(f"devices: {where}; GPT {n_params:,} params, {cfg}")
-    echo(layout_summary(state))
+    for line in describe_run(args, cfg, devices, n_params, train_text, val_text, n_val):
+        say(log, line)
     log.info("%s", layout_summary(state))
+    if args.verbose:
+        echo(layout_summary(state))
     tokens_per_step = args.batch_size * cfg.seq_len
     if args.resume:
-        meta = ckpt.metadata(restored.step)
-        line = (
-            f"resumed from checkpoint step {restored.step} in {args.checkpoint_dir} (saved at "
-            f"stage {meta['stage']} on {meta['devices']} devices, now stage {args.stage} on "
-            f"{len(devices)}), continuing to step {args.steps}"
-        )
-        line += "".join(
-            f"; skipped invalid step {s}: {' '.join(why.split())}" for s, why in restored.skipped
-        )
-        echo(line)
-        log.info("%s", line)
-        saved_flags = restored.extra.get("run", {})
-        changed = [
-            f"--{k.replace('_', '-')} {run_flags[k]} (checkpoint: {saved_flags[k]})"
-            for k in RUN_FLAGS
-            if k in saved_flags and saved_flags[k] != run_flags[k]
-        ]
-        if changed:
-            note = f"note: {', '.join(changed)}: the rest differs from an uninterrupted run"
-            echo(note)
-            log.info("%s", note)
+        for line in resumed_lines(args, ckpt, restored, len(devices), run_flags):
+            say(log, line)
         replay(log, curve, tokens_per_step)  # the run so far, as it was logged
     # manual_gather: the model gathers each layer's parameters inside its nn.scan body.
     train_step = opt.train_step(
         gpt.make_loss_fn(cfg), manual_gather=True, grad_accum=args.grad_accum
-    )
-    # Validation: the held-out text tiled once, padded to whole windows per device. It is
-    # scored on the full parameters (gathered, replicated), the windows split over 'data'
-    # (each process places its own: global_batch, as for the training batches).
-    val_windows = data.eval_windows(val_text, seq_len=cfg.seq_len, multiple_of=len(devices))
-    n_val = int(val_windows["weight"].sum())
-    val_windows = global_batch(mesh, val_windows)
-    eval_loss = make_eval_loss(cfg)
-    echo(
-        f"data: {len(train_text):,} bytes train, {len(val_text):,} held out "
-        f"(last {args.val_fraction:.0%}, {n_val} windows of {cfg.seq_len} targets)"
     )
 
     # ---------------------------------------------------------------- train
@@ -619,46 +716,40 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds=None) -> int:
     bar.close()
     if ckpt is not None:
         ckpt.wait()
-        line = f"checkpoints: steps {ckpt.all_steps()} in {args.checkpoint_dir}"
-        echo(line)
-        log.info("%s", line)
-
-    losses, val_losses = curve.losses, curve.val_losses
-    best_step, best = min(val_losses, key=lambda sv: sv[1])
-    summary = [
-        f"{trend('loss', losses[0], losses[-1])} (training batches)",
-        f"{trend('validation loss', val_losses[0][1], val_losses[-1][1])} (held-out text); "
-        f"lowest {best:.4f} after {best_step} steps",
-    ]
-    for line in summary:
-        echo(line)
-        log.info("%s", line)
+        say(log, f"checkpoints: steps {ckpt.all_steps()} in {args.checkpoint_dir}")
 
     params = opt.full_params(state)  # for the sample; a gather every process takes part in
     if batch is None:  # resumed at --steps: no step ran here; any batch shows the layout
         batch = global_batch(mesh, next(batches))
+    for line in progress.curve_table(curve.losses, curve.val_losses):
+        echo(line)
+    for line in run_summary.loss_lines(curve.losses, curve.val_losses):
+        say(log, line)
     if not jzero.distributed.is_main_process():
-        return 0  # the plot, the sample and the report are process 0's
+        return 0  # the plot, the sample, summary.json and the report are process 0's
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(losses, lw=0.8, label="training (batch)")
-    ax.plot(*zip(*val_losses), "o-", ms=3, label="validation (held out)")
-    if resumed is not None:
-        ax.axvline(resumed, ls=":", lw=0.8, c="gray", label=f"resumed at step {resumed}")
-    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"GPT, ZeRO stage {args.stage}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "loss.png", dpi=100)
-    plt.close(fig)
-    print(f"wrote {args.out / 'train.log'} and {args.out / 'loss.png'}")
-
-    # ---------------------------------------------------------------- sample
-    text = sample(cfg, params, args.prompt, args.sample_tokens, args.temperature, args.seed)
-    print(f"--- sample ({args.sample_tokens} tokens, temperature {args.temperature}) ---")
-    print(text)
-    log.info("sample %r", text)
-
-    print(jzero.report(train_step, state, batch))
+    title = f"GPT ({n_params / 1e6:.2f}M params) on the King James Bible, ZeRO stage {args.stage}"
+    run_summary.plot_curves(
+        args.out / "loss.png", curve.losses, curve.val_losses, resumed=resumed, title=title
+    )
+    # This invocation's steps (after a resume, the restored ones ran elsewhere).
+    tokens_per_s = run_summary.throughput(curve.step_seconds[start:], tokens_per_step)
+    if tokens_per_s is not None:
+        line = f"throughput: {tokens_per_s:,.0f} tokens/s on {len(devices)} devices"
+        say(log, f"{line} (training steps, the first left out: it compiles)")
+    summary = {
+        **describe_figures(args, cfg, devices, n_params, train_text, val_text, n_val),
+        **run_summary.loss_figures(curve.losses, curve.val_losses),
+        "tokens_per_s": tokens_per_s,
+        "sample": write_sample(args, cfg, params, train_text, val_text, log),
+    }
+    if args.verbose:
+        print(jzero.report(train_step, state, batch))
+    elapsed = started.elapsed()
+    say(log, f"time: {progress.duration(elapsed.wall)} wall, {elapsed.cpu:.0f} s CPU")
+    summary |= {"wall_s": elapsed.wall, "cpu_s": elapsed.cpu}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {args.out / 'train.log'}, {args.out / 'loss.png'}, {args.out / 'summary.json'}")
     return 0
 
 
