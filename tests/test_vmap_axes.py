@@ -141,3 +141,23 @@ def test_micro_batches_take_their_own_statistics():
     np.testing.assert_allclose(float(metrics["loss"]), ref.losses[0], rtol=1e-6)
     # micro-batch gradients summed in another order: 2.7e-7 at most, measured (2 of 24 elements)
     assert_tree_close(opt.full_params(state), ref.params, rtol=1e-6, atol=1e-6)
+
+
+def test_a_custom_vjp_in_such_a_loss_is_refused_naming_its_line_and_the_fix():
+    @jax.custom_vjp
+    def clipped_grad(x):
+        return x
+
+    clipped_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1, 1),))
+
+    def loss_fn(params, batch):
+        def one(x_D):
+            h_H = clipped_grad(x_D @ params["w"])
+            return h_H - jax.lax.pmean(h_H, "batch")
+
+        return jnp.mean(jax.vmap(one, axis_name="batch")(batch["x"]) ** 2)
+
+    opt = jzero.ZeroOptimizer(optax.sgd(0.1), jzero.data_mesh(), stage=0)
+    step = opt.train_step(loss_fn, donate=False)
+    with pytest.raises(NotImplementedError, match=r"custom_vjp function \(at .*test_vmap_axes"):
+        step(opt.init({"w": jnp.ones((3, 4), jnp.float32)}), batches(1)[0])

@@ -12,7 +12,10 @@ i.e. a plain sum over the vmapped dimension, as under ``jax.jit``.
 checks on (:mod:`.interpret`): a reduction over positions becomes the same reduction in
 ``jax.numpy``; a collective over mesh axes is called again through ``jax.lax`` (which
 casts its operand to varying as under the checks); every other equation is bound with its
-operands cast to the union of their varying axes, as JAX's own type rules do.
+operands cast to the union of their varying axes, as JAX's own type rules do. A
+``custom_jvp`` function is applied again with its rule evaluated the same way; a
+``custom_vjp`` function is refused, naming its line (its rule's output types are fixed
+by the unchecked trace).
 """
 
 from __future__ import annotations
@@ -81,6 +84,15 @@ class _Checked(Rules):
             return rebind(eqn, values, self)
         if eqn.kind is Kind.CUSTOM_JVP:
             return _custom_jvp(eqn, _unified(values), self)
+        if eqn.kind is Kind.CUSTOM_VJP:
+            at = f" (at {eqn.where})" if eqn.where else ""
+            raise NotImplementedError(
+                "loss_fn reduces over an axis it binds itself with jax.vmap(..., axis_name=...), "
+                "which jzero traces without JAX's varying-axes checks and evaluates again with "
+                f"them; it also calls a jax.custom_vjp function{at}, whose rule jzero cannot "
+                "evaluate that way. Define that function's derivative with jax.custom_jvp "
+                "instead (jzero evaluates custom_jvp rules again)."
+            )
         args = _unified(values)
         if eqn.axis_names and eqn.kind is not Kind.AXIS_INDEX:  # a collective over names
             names = tuple(sorted(eqn.axis_names))
