@@ -49,6 +49,7 @@ ATTRIBUTES = [
     ("jax._src.core", "ShapedArray"),
     ("jax._src.lax.parallel", "reduce_scatter_p"),
     ("jax._src.distributed", "global_state"),  # jzero.internal.coordination
+    ("jax._src.config", "_check_vma"),  # jzero.internal.vmap_axes
 ]
 
 # The coordination client's key-value calls jzero.internal.coordination makes (the client
@@ -143,6 +144,7 @@ PARAMS = {  # primitive -> (a function whose jaxpr holds it, the parameters jzer
         ("cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"),
     ),
     "custom_vjp_call": (_custom_vjp, ("call_jaxpr", "num_consts")),
+    "custom_jvp_call": (jax.nn.relu, ("call_jaxpr", "jvp_jaxpr_fun")),
     "pad": (lambda x: jax.lax.pad(x, 0.0, [(0, -1, 0)]), ("padding_config",)),
     "broadcast_in_dim": (lambda x: jnp.broadcast_to(x.sum(), (4,)), ("shape", "sharding")),
     "name": (lambda x: jax.ad_checkpoint.checkpoint_name(x, "n"), ("name",)),
@@ -347,3 +349,19 @@ def test_the_coordination_client_has_the_key_value_calls_jzero_makes():
     assert client_type is not None, _changed("jaxlib's DistributedRuntimeClient", "is gone")
     for name in CLIENT_METHODS:
         assert hasattr(client_type, name), _changed(f"DistributedRuntimeClient.{name}", "is gone")
+
+
+def test_an_unchecked_vmap_reduces_its_own_axis_over_positions():
+    """jzero.internal.vmap_axes reads a vmap's named psum, traced without varying-axes
+    checks, as a psum over array positions (``axes`` holding ints)."""
+    from jax._src import config
+
+    def loss(x):
+        return jax.vmap(lambda r: jax.lax.psum(r, "batch"), axis_name="batch")(x).sum()
+
+    with config._check_vma(False):
+        eqn = _eqn(loss, X, prim_name="psum")
+    axes = eqn.jaxpr_eqn.params["axes"]
+    assert all(isinstance(a, int) for a in axes), _changed(
+        "a vmap's own psum (traced unchecked)", f"now has axes {axes!r}, not array positions"
+    )
