@@ -35,19 +35,6 @@ VARIANT_RUNS = (
     "zero3", "zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_qgz",
     "zero3_offload",
 )  # fmt: skip
-WHAT = {
-    "dp": "stage 0 (plain data parallel)",
-    "zero1": "stage 1",
-    "zero2": "stage 2",
-    "zero3": "stage 3",
-    "zero3_bucket": "stage 3, `bucket=True`",
-    "zero3_auto": "stage 3, the step's own per-layer gathering",
-    "zero3_prefetch": "stage 3, `prefetch=True`",
-    "zero3_int8": "stage 3, `Precision(gather_quant='int8')`",
-    "zero3_qgz": "stage 3, `Precision(grad_quant='int8')`",
-    "zero3_offload": "stage 3, `offload='optimizer'`",
-    "auto_fsdp": "plain `jax.jit` with sharded params (XLA's collectives)",
-}
 
 
 def _load_script(name: str) -> Any:
