@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..internal.unbound_axes import unbound_axes, vmapped_collectives
+from ..internal.unbound_axes import unbound_axes
 
 
 def explain_unknown_axis(
@@ -28,7 +28,6 @@ def explain_unknown_axis(
     sizes); returns otherwise."""
     found = unbound_axes(fn, args, axis_sizes)
     if not found:
-        _explain_vmapped(error, fn, args, axis_sizes)
         return
     name, api, where = found[0]
     at = f" (at {where})" if where else ""
@@ -38,28 +37,6 @@ def explain_unknown_axis(
         f"name for the batch axis (e.g. nn.BatchNorm(axis_name={name!r})), build the step "
         f"with train_step(..., axis_name={name!r}): jzero then runs its collectives over the "
         "batch axes. Otherwise add the axis to the mesh."
-    ) from error
-
-
-def _explain_vmapped(
-    error: BaseException, fn: Callable[..., Any], args: Sequence[Any], axis_sizes: Mapping[str, int]
-) -> None:
-    """Raises a ValueError (from ``error``) if ``fn`` reduces over an axis it binds itself
-    with ``jax.vmap(..., axis_name=...)``: never advises ``axis_name=`` for such an axis."""
-    found = vmapped_collectives(fn, args, axis_sizes)
-    if not found:
-        return
-    at = f" (at {found[0].where})" if found[0].where else ""
-    raise ValueError(
-        f"loss_fn calls jax.lax.{found[0].collective}{at} over an axis it binds itself with "
-        "jax.vmap(..., axis_name=...) (e.g. eqx.nn.BatchNorm, or a Flax BatchNorm under a "
-        "vmap). jzero runs the loss inside jax.shard_map, where JAX cannot yet trace a "
-        "collective over a vmap's own axis (it fails with a bare AssertionError or 'psum is "
-        "a variant->invariant collective'), and jzero does not work around it yet. Do not "
-        "pass train_step(..., axis_name=) for this axis: it is the vmap's, not the batch "
-        "axis. Instead compute the statistics without the vmap's collective, e.g. apply the "
-        "model to the whole per-device batch (Flax nn.BatchNorm(axis_name=None) normalises "
-        "over the batch dimension itself)."
     ) from error
 
 

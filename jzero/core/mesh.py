@@ -72,7 +72,7 @@ def hybrid_mesh(replicas: int, devices: Sequence[jax.Device] | None = None) -> M
     group: its collectives use the fast links, and only the gradient shards cross hosts.
 
     Examples:
-        >>> mesh = jzero.core.mesh.hybrid_mesh(2)  # 8 devices: 2 replicas x 4
+        >>> mesh = jzero.hybrid_mesh(2)  # 8 devices: 2 replicas x 4
         >>> dict(mesh.shape)
         {'replica': 2, 'data': 4}
     """
@@ -104,7 +104,7 @@ def check_mesh(mesh: Mesh) -> int:
         raise ValueError(
             f"mesh has axes {mesh.axis_names}: a {REPLICA!r} axis but no {DATA!r} axis. Hybrid "
             f"sharding shards model states within a {DATA!r} group and replicates them across "
-            f"{REPLICA!r}; build the mesh with jzero.core.mesh.hybrid_mesh(replicas) or "
+            f"{REPLICA!r}; build the mesh with jzero.hybrid_mesh(replicas) or "
             "jax.make_mesh((r, g), ('replica', 'data'))."
         )
     if DATA not in mesh.axis_names:

@@ -41,7 +41,7 @@ class ZeroOptimizer:
     Args:
         tx: the Optax transformation, e.g. ``optax.adamw(3e-4)``.
         mesh: a mesh with a ``'data'`` axis (other axes are left to the user's specs). With
-            a ``'replica'`` axis too (:func:`jzero.core.mesh.hybrid_mesh`) the sharding is
+            a ``'replica'`` axis too (:func:`jzero.hybrid_mesh`) the sharding is
             hybrid (HSDP): model states are sharded within each ``'data'`` group and
             replicated across ``'replica'``; the batch is split over both, and gradients are
             reduced within the group, then their shards all-reduced across replicas. Axes

@@ -105,13 +105,15 @@ def make_train_step(
         mesh, stage, offload: what the state must have been made for (checked at trace
             time, with ``precision`` and ``tx``: a state from another optimizer is refused,
             and so is one whose leaves are not in the memory its plan stores them in).
-        manual_gather: if False (default), stage 3 gathers every parameter at the start of
-            the forward pass. If True, ``loss_fn`` receives :class:`Sharded` handles in stages
-            2/3 and calls :func:`jzero.gather` on each layer's parameters where it uses them,
-            inside a rematerialised layer (``jax.checkpoint`` / ``nn.remat``), so stage 3
-            holds about one layer's gathered parameters at a time and backward gathers again.
-            Call ``gather`` once per parameter and forward pass: each call is one
-            reduce-scatter of that parameter's gradient in backward (stages 2/3).
+        manual_gather: if False (default), stage 3 gathers each parameter where the loss
+            first uses it, one layer at a time inside scans and checkpointed layers
+            (:mod:`jzero.core.gather.autogather`). If True, ``loss_fn`` receives
+            :class:`Sharded` handles in stages 2/3 and calls :func:`jzero.gather` on each
+            layer's parameters where it uses them, inside a rematerialised layer
+            (``jax.checkpoint`` / ``nn.remat``), so stage 3 holds about one layer's gathered
+            parameters at a time and backward gathers again. Call ``gather`` once per
+            parameter and forward pass: each call is one reduce-scatter of that parameter's
+            gradient in backward (stages 2/3).
         grad_accum: split each device's batch into this many micro-batches and accumulate
             their gradients in fp32 inside the step (``lax.scan``). Stages 0/1 keep a
             full-size local accumulator and communicate once per step; stages 2/3 keep only
