@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -401,6 +402,15 @@ def replay(log: logging.Logger, curve: Curve, tokens_per_step: int) -> None:
         log_step(log, curve, i, tokens_per_step)
 
 
+def load_average() -> list[float] | None:
+    """The machine's load average over 1, 5 and 15 minutes (None where the OS has none):
+    other jobs on the machine slow the run's wall time and tokens/s, not its CPU time."""
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):
+        return None
+
+
 def say(log: logging.Logger, line: str) -> None:
     """``line`` printed (on process 0) and logged."""
     echo(line)
@@ -747,7 +757,7 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> 
         print(jzero.report(train_step, state, batch))
     elapsed = started.elapsed()
     say(log, f"time: {progress.duration(elapsed.wall)} wall, {elapsed.cpu:.0f} s CPU")
-    summary |= {"wall_s": elapsed.wall, "cpu_s": elapsed.cpu}
+    summary |= {"wall_s": elapsed.wall, "cpu_s": elapsed.cpu, "load_average": load_average()}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {args.out / 'train.log'}, {args.out / 'loss.png'}, {args.out / 'summary.json'}")
     return 0

@@ -163,6 +163,7 @@ def test_train_lm_script_runs(tmp_path, capsys):
     assert (summary["train_bytes"], summary["val_bytes"]) == (3_889_040, 415_207)
     assert summary["val_windows"] == 128 and summary["tokens_per_step"] == 8 * 16
     assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0 and summary["cpu_s"] > 0
+    assert summary["load_average"] is None or len(summary["load_average"]) == 3
     sample = summary["sample"]
     assert sample["prompt"] == "And God said" and sample["text"].startswith("And God said")
     assert len(sample["text"].encode()) == len("And God said") + 8
