@@ -24,9 +24,9 @@ from jax.sharding import Mesh
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
-from . import jsonc
 from .auto import fill_auto
 from .findings import Findings
+from .jsonc import parse as parse_jsonc
 from .keys import Key, Section, attempt, no_effect, number, positive
 from .optim import read_optimizer
 from .precision import COMMUNICATION, read_precision
@@ -243,7 +243,7 @@ def _parsed(config: str | os.PathLike | Mapping[str, Any], findings: Findings) -
         return config
     path = pathlib.Path(config)
     try:
-        raw, repeated = jsonc.parse(path.read_text())
+        raw, repeated = parse_jsonc(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(
             f"DeepSpeed config {path} is not valid JSON: {e}. jzero reads JSON with comments; "

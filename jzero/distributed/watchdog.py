@@ -34,7 +34,8 @@ from collections.abc import Iterator
 import jax
 
 from ..internal import coordination
-from . import progress, runtime
+from .progress import Publisher, stall_report
+from .runtime import initialized_timeouts
 
 EXIT_STATUS = 1
 MARGIN = 2.0  # seconds the watchdog leaves, at the least, before JAX's earliest abort
@@ -81,13 +82,13 @@ class Watchdog:
         self._stopped = 0.0  # seconds this process was seen stopped, beyond the timeout
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="jzero-watchdog", daemon=True)
-        self._publisher: progress.Publisher | None = None
+        self._publisher: Publisher | None = None
         self._peers = False  # whether other processes wait for this one
 
     def start(self) -> Watchdog:
         self._peers = jax.process_count() > 1
         if self._peers and coordination.is_available():
-            self._publisher = progress.Publisher(
+            self._publisher = Publisher(
                 jax.process_index(), jax.process_count(), lambda: self._steps, self.interval
             ).start()
         with self._lock:
@@ -133,7 +134,7 @@ class Watchdog:
                 f"{head}: a peer process is dead or frozen, or one step became slower than "
                 "the timeout (raise it). Exiting; restart from the last checkpoint."
             )
-        report = progress.stall_report(
+        report = stall_report(
             self._publisher.process,
             jax.process_count(),
             self._steps,
@@ -166,7 +167,7 @@ def _largest_timeout(room: float) -> float:
 def watchdog_timeout(timeout: float | None) -> float:
     """``bounded``'s timeout: ``initialize``'s when None; refused when it could let JAX's
     heartbeat abort speak first."""
-    timeouts = runtime.initialized_timeouts()
+    timeouts = initialized_timeouts()
     if timeout is None:
         if timeouts is None:
             raise ValueError(
