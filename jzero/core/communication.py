@@ -1,0 +1,129 @@
+"""How the step communicates: quantized collectives, buckets, prefetch.
+
+These choices change what travels between devices and when, not the dtype the model
+computes in (that is :class:`jzero.Precision`). They are given once, to the optimizer
+(``ZeroOptimizer(..., comm=jzero.Communication(...))``), which checks them against its
+stage when it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from .comm.quantize import GATHER_QUANTS, GRAD_QUANTS, Quant
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """The collectives a ZeRO step runs, beyond their defaults.
+
+    Attributes:
+        gather_quant: ``'int8'``: stage 3 all-gathers its parameters as int8 with one fp32
+            scale per block of ``quant_block`` elements (ZeRO++'s qwZ, about 0.254x fp32's
+            bytes, 0.508x bf16's; :mod:`jzero.core.comm.quantize`); each element is off by
+            at most absmax/254 of its block. ``'fp8'``: the same bytes, as float8_e4m3fn
+            with ``scale = absmax / 448`` per block; each element is off by at most
+            ``max(|x| / 16, absmax / 458752)`` (e4m3's 3 mantissa bits: a relative error,
+            lower than int8's where a block holds outliers, about 4x higher on Gaussian
+            weights). Gradients are those at the dequantized parameters, reduce-scattered
+            unquantized. None: gathered exactly. Only stage 3 gathers parameters.
+        grad_quant: ``'int8'`` or ``'int4'``: stages 1-3 reduce-scatter their gradients
+            quantized (ZeRO++'s qgZ): each device quantizes the part of its gradient each
+            other device owns, with one fp32 scale per block of ``quant_block`` elements,
+            sends it in one all-to-all, and the owner dequantizes and sums the N parts in
+            fp32. Each device's contribution is off by at most absmax/254 (int8) or
+            absmax/14 (int4) of its block. None: reduced exactly in the precision's
+            ``reduce_dtype``. Stage 0 (all-reduce) has no reduce-scatter to quantize.
+        quant_block: elements per fp32 scale of a quantized gather or reduce-scatter (a
+            positive int; even for ``grad_quant='int4'``, which packs two values a byte).
+        bucket: each layer's leaves travel as one flat all-gather (stage 3) and one flat
+            reduce-scatter (stages 2/3) per dtype instead of one collective per leaf
+            (DeepSpeed's buckets, FSDP2's parameter groups; :mod:`jzero.core.comm.buckets`).
+            A layer is what one gather happens for: a scan step, a
+            :func:`jzero.remat_layer`, a ``layers=`` block, a ``jzero.gather`` call.
+            Exact (bitwise the collectives of ``bucket=False``).
+        prefetch: stage 3's default gathering, in scans over stacked layers: issue layer
+            i+1's all-gather in the step that computes layer i, and in backward layer
+            i-1's in the step of layer i (FSDP2's forward/backward prefetch, for XLA's
+            latency-hiding scheduler on GPU; :mod:`jzero.core.gather.prefetch`). Two
+            layers are gathered at a time instead of one. Same values as without.
+
+    Examples:
+        >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=3,
+        ...                           comm=jzero.Communication(gather_quant='int8'))
+    """
+
+    gather_quant: Literal["int8", "fp8"] | None = None
+    grad_quant: Literal["int8", "int4"] | None = None
+    quant_block: int = 256
+    bucket: bool = False
+    prefetch: bool = False
+
+    def __post_init__(self):
+        quant = self.gather_quant  # a str: a dtype such as np.dtype('int8') equals 'int8'
+        if quant is not None and (not isinstance(quant, str) or quant not in GATHER_QUANTS):
+            raise ValueError(
+                "Communication.gather_quant must be None, 'int8' or 'fp8' (float8_e4m3fn), "
+                f"got {self.gather_quant!r}; e.g. Communication(gather_quant='fp8')."
+            )
+        if self.grad_quant is not None and self.grad_quant not in GRAD_QUANTS:
+            allowed = " or ".join(repr(q) for q in GRAD_QUANTS)
+            raise ValueError(
+                f"Communication.grad_quant must be None or {allowed}, got "
+                f"{self.grad_quant!r}; e.g. Communication(grad_quant='int8')."
+            )
+        object.__setattr__(self, "quant_block", _check_block(self.quant_block, self.grad_quant))
+        for name in ("bucket", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"Communication.{name} must be True or False, got {getattr(self, name)!r}."
+                )
+
+    @property
+    def gather_quantizer(self) -> Quant | None:
+        """How stage 3's parameter all-gathers are quantized; None: they are exact."""
+        return None if self.gather_quant is None else Quant(self.gather_quant, self.quant_block)
+
+    @property
+    def grad_quantizer(self) -> Quant | None:
+        """How gradient reduce-scatters are quantized; None: they are exact."""
+        return None if self.grad_quant is None else Quant(self.grad_quant, self.quant_block)
+
+    def check_stage(self, stage: int) -> None:
+        """Raises where a choice has nothing to act on at ``stage`` (checked when the
+        optimizer is built, before anything is traced)."""
+        if self.gather_quant is not None and stage != 3:
+            raise ValueError(
+                f"Communication(gather_quant={self.gather_quant!r}) quantizes stage 3's "
+                f"parameter all-gathers, but stage {stage} gathers no parameters; use "
+                "stage=3, or leave gather_quant=None."
+            )
+        if self.grad_quant is not None and stage == 0:
+            raise ValueError(
+                f"Communication(grad_quant={self.grad_quant!r}) quantizes the gradient "
+                "reduce-scatters of stages 1-3, but stage 0 all-reduces its gradients; use "
+                "stage=1, 2 or 3, or leave grad_quant=None."
+            )
+        if self.prefetch and stage != 3:
+            raise ValueError(
+                f"Communication(prefetch=True) issues stage 3's next parameter all-gather "
+                f"early, but stage {stage} gathers no parameters; use stage=3, or leave "
+                "prefetch=False."
+            )
+
+
+def _check_block(block: object, grad_quant: str | None) -> int:
+    if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 1:
+        raise ValueError(
+            f"Communication.quant_block must be a positive int (elements per fp32 scale), "
+            f"got {block!r}; e.g. Communication(gather_quant='int8', quant_block=256)."
+        )
+    if grad_quant == "int4" and block % 2:
+        raise ValueError(
+            f"Communication.quant_block must be even with grad_quant='int4' (two 4-bit "
+            f"values share a byte), got {block}; e.g. quant_block=256."
+        )
+    return int(block)
