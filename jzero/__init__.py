@@ -20,6 +20,7 @@ from .checkpoint import Checkpointer as Checkpointer
 from .config.deepspeed import from_deepspeed_config as from_deepspeed_config
 from .core.comm.collectives import Sharded as Sharded
 from .core.comm.collectives import gather as gather
+from .core.communication import Communication as Communication
 from .core.gather.remat import remat_layer as remat_layer
 from .core.layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
@@ -28,6 +29,7 @@ from .core.optimizer import ZeroOptimizer as ZeroOptimizer
 from .core.plan import Plan as Plan
 from .core.precision import Precision as Precision
 from .core.state import ZeroState as ZeroState
+from .core.step_options import StepOptions as StepOptions
 from .core.weighted import Weighted as Weighted
 
 __version__ = "0.1.0"

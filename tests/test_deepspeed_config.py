@@ -678,7 +678,7 @@ def test_main_job_takes_offload_and_gradient_quantization_from_the_config(tmp_pa
     assert (args.stage, args.offload, args.grad_quant) == (3, True, "int8")
     opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
     assert (opt.stage, opt.offload, opt.precision) == (3, "optimizer", ds.precision)
-    assert opt.precision.grad_quant == "int8"
+    assert opt.comm.grad_quant == "int8"
 
 
 # ------------------------------------------------------------------ offload and ZeRO++
@@ -823,23 +823,23 @@ def test_offload_and_zero_plus_plus_refusals_say_why(zero, error):
 
 def test_zero_plus_plus_quantized_weights_map_to_int8_gathers():
     ds = load({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
-    assert ds.stage == 3 and ds.precision == jzero.Precision(gather_quant="int8")
+    assert ds.stage == 3 and ds.comm == jzero.Communication(gather_quant="int8")
+    assert ds.precision == jzero.Precision()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_plus_plus_quantized_gradients_map_to_int8_reduce_scatters(stage):
     ds = load({"zero_optimization": {"stage": stage, "zero_quantized_gradients": True}})
-    assert ds.stage == stage and ds.precision == jzero.Precision(grad_quant="int8")
+    assert ds.stage == stage and ds.comm == jzero.Communication(grad_quant="int8")
     opt = ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
-    assert opt.precision.grad_quant == "int8"
+    assert opt.comm.grad_quant == "int8"
 
 
 def test_zero_plus_plus_weights_and_gradients_together():
     zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
     ds = load({"bf16": {"enabled": True}, "zero_optimization": zero})
-    assert ds.precision == jzero.Precision(
-        param_dtype=jnp.bfloat16, gather_quant="int8", grad_quant="int8"
-    )
+    assert ds.precision == jzero.Precision(param_dtype=jnp.bfloat16)
+    assert ds.comm == jzero.Communication(gather_quant="int8", grad_quant="int8")
 
 
 def test_optimizer_offloaded_by_the_config_trains_as_single_device_optax():

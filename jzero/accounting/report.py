@@ -34,11 +34,12 @@ CPU_NOTE = (
 )
 QUANT_NOTE = (
     "the s8 all-gathers (and their f32 scales) are stage 3's quantized parameter gathers "
-    "(Precision.gather_quant); the theory counts every gather in the parameters' dtype."
+    "(Communication.gather_quant; u8 holds fp8 values); the theory counts every gather in "
+    "the parameters' dtype."
 )
 GRAD_QUANT_NOTE = (
     "the s8/u8 all-to-alls (and their f32 scales) are quantized gradient reduce-scatters "
-    "(Precision.grad_quant; u8 holds two int4 values); the theory counts them as "
+    "(Communication.grad_quant; u8 holds two int4 values); the theory counts them as "
     "reduce-scatters in the reduce dtype."
 )
 

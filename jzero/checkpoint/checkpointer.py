@@ -428,7 +428,7 @@ class Checkpointer:
                     f"checkpoint step {step}: leaf {name!r} fails its checksum (stored "
                     f"{stored[name]['checksum']}, read {got}): the data files are corrupt."
                 )
-        return assemble_state(opt, plan, arrays, targets, model_state), meta.get("extra")
+        return assemble_state(plan, opt.precision, arrays, targets, model_state), meta.get("extra")
 
 
 def _reasons(skipped: list[tuple[int, str]]) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Literal, NamedTuple
 import optax
 from jax.sharding import Mesh
 
+from ..core.communication import Communication
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
@@ -85,9 +86,10 @@ class DeepSpeedOptions:
 
     Attributes:
         stage: ``zero_optimization.stage`` (DeepSpeed's default 0).
-        precision: from ``fp16`` / ``bf16`` / ``communication_data_type``, with
-            ``gather_quant="int8"`` for ``zero_quantized_weights`` and ``grad_quant="int8"``
-            for ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
+        precision: from ``fp16`` / ``bf16`` / ``communication_data_type``.
+        comm: a :class:`jzero.Communication` with ``gather_quant="int8"`` for
+            ``zero_quantized_weights`` and ``grad_quant="int8"`` for
+            ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
         offload: ``"optimizer"`` for ``offload_optimizer`` ``{"device": "cpu"}`` (or
             ``cpu_offload``): the optimizer state and fp32 master weights rest in pinned host
             memory (``ZeroOptimizer(offload=...)``); None otherwise.
@@ -118,6 +120,7 @@ class DeepSpeedOptions:
     micro_batch_size: int | None
     grad_accum: int | None
     offload_chunk: int | None = None
+    comm: Communication = Communication()
 
     def batch_sizes(self, *, data_parallel_size: int) -> BatchSizes:
         """The three batch sizes on ``data_parallel_size`` devices, completed as DeepSpeed
@@ -157,7 +160,7 @@ class DeepSpeedOptions:
         tx: optax.GradientTransformation | None = None,
         param_specs: Any = None,
     ) -> ZeroOptimizer:
-        """A :class:`jzero.ZeroOptimizer` with the config's stage, precision, offload and
+        """A :class:`jzero.ZeroOptimizer` with the config's stage, precision, comm, offload and
         ``min_shard_size``, around ``self.tx``, or around ``tx`` (after the config's
         clipping) when the config has no ``optimizer``."""
         if (tx is None) == (self.tx is None):
@@ -175,6 +178,7 @@ class DeepSpeedOptions:
             mesh,
             stage=self.stage,
             precision=self.precision,
+            comm=self.comm,
             offload=self.offload,
             param_specs=param_specs,
             **extra,
@@ -221,9 +225,8 @@ def from_deepspeed_config(
     return DeepSpeedOptions(
         stage=zero.stage,
         # ZeRO++ qwZ and qgZ: int8 all-gathers and gradient reduce-scatters, blockwise scales.
-        precision=dataclasses.replace(
-            precision, gather_quant=zero.gather_quant, grad_quant=zero.grad_quant
-        ),
+        precision=precision,
+        comm=Communication(gather_quant=zero.gather_quant, grad_quant=zero.grad_quant),
         offload=zero.offload,
         offload_chunk=zero.offload_chunk,
         tx=tx,

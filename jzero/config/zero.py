@@ -1,7 +1,7 @@
 """DeepSpeed's ``"zero_optimization"``: the stage, the stage-3 persistence threshold as
 ``min_shard_size``, optimizer offload to the CPU as ``offload="optimizer"``, ZeRO++ quantized
-weights and gradients as ``Precision(gather_quant="int8")`` and
-``Precision(grad_quant="int8")``; offloading to NVMe or offloading parameters, and hpZ,
+weights and gradients as ``Communication(gather_quant="int8")`` and
+``Communication(grad_quant="int8")``; offloading to NVMe or offloading parameters, and hpZ,
 refused; the performance knobs jzero has no use for warned.
 
 ``offload_optimizer`` with ``"device": "cpu"`` (or DeepSpeed's older ``"cpu_offload": true``)
@@ -33,12 +33,12 @@ def stage(value: Any) -> int:
 
 
 BUCKETS = (
-    "jzero buckets by layer, not by size: pass train_step(..., bucket=True) for one flat "
-    "collective per layer"
+    "jzero buckets by layer, not by size: pass ZeroOptimizer(..., "
+    "comm=Communication(bucket=True)) for one flat collective per layer"
 )
 GATHERS = (
     "stage 3 gathers per layer by itself (in scans; jax.checkpoint'ed layers); for one "
-    "layer of prefetch pass train_step(..., prefetch=True)"
+    "layer of prefetch pass comm=Communication(prefetch=True)"
 )
 HPZ = (
     "jzero has no secondary partition (ZeRO++ hpZ); for sharding within groups of devices "
@@ -99,8 +99,8 @@ ZERO = {
     "stage3_gather_16bit_weights_on_model_save": no_effect(
         "jzero.checkpoint.export_safetensors writes the whole model"
     ),
-    "zero_quantized_weights": Key(boolean, False),  # -> Precision(gather_quant="int8")
-    "zero_quantized_gradients": Key(boolean, False),  # -> Precision(grad_quant="int8")
+    "zero_quantized_weights": Key(boolean, False),  # -> Communication(gather_quant="int8")
+    "zero_quantized_gradients": Key(boolean, False),  # -> Communication(grad_quant="int8")
     "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
     "sub_group_size": Key(positive),  # with offload: offload_chunk
     "round_robin_gradients": no_effect(

@@ -15,6 +15,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from .checksum import checksums
+from .communication import Communication
 from .memory import check_memory
 from .precision import Precision
 from .state import ZeroState
@@ -230,6 +231,19 @@ def _describe(x: Any) -> str:
     if isinstance(x, tuple | list):
         return f"a {type(x).__name__} of {len(x)}"
     return f"a {type(x).__name__}"
+
+
+def check_communication(comm: Any, stage: int) -> Communication:
+    """``ZeroOptimizer(comm=...)``: a :class:`Communication` that has work at ``stage``."""
+    if comm is None:
+        return Communication()
+    if not isinstance(comm, Communication):
+        raise TypeError(
+            f"comm must be a jzero.Communication, got {type(comm).__name__}; e.g. "
+            "comm=jzero.Communication(gather_quant='int8')."
+        )
+    comm.check_stage(stage)
+    return comm
 
 
 def check_precision(precision: Any) -> Precision:
