@@ -55,7 +55,7 @@ TOP = {
     ),
     "zero_allow_untested_optimizer": no_effect("jzero runs any Optax transformation"),
     "zero_force_ds_cpu_optimizer": no_effect(
-        "jzero has no CPU optimizer: an offloaded optimizer state is updated on the accelerator"
+        "with offload_optimizer on the CPU jzero runs any Optax update on the host"
     ),
     "activation_checkpointing": no_effect(
         "jzero leaves the model as it is; use jax.checkpoint or jzero.remat_layer in it"
@@ -90,8 +90,9 @@ class DeepSpeedOptions:
             ``gather_quant="int8"`` for ``zero_quantized_weights`` and ``grad_quant="int8"``
             for ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
         offload: the :class:`jzero.Offload` for ``offload_optimizer`` ``{"device": "cpu"}``
-            (or ``cpu_offload``): the optimizer state and fp32 master weights rest in pinned
-            host memory; ``sub_group_size`` is its ``chunk``. None otherwise.
+            (or ``cpu_offload``): ``Offload(optimizer="host")``, the optimizer state and
+            fp32 master weights rest in pinned host memory and are updated there, as
+            DeepSpeed's CPU Adam does. None otherwise.
         tx: the ``optimizer`` with its ``scheduler``, after ``gradient_clipping``; None
             without an ``optimizer``.
         learning_rate: the ``scheduler`` as an Optax schedule, else the optimizer's lr;
