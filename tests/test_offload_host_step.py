@@ -64,7 +64,13 @@ def _full(opt, state):
 
 @pytest.mark.parametrize(
     ("stage", "tx"),
-    [(1, "adam"), (2, "adam"), (3, "adam"), (3, "clip_adamw"), (2, "adafactor"), (1, "adam_clip")],
+    [
+        *[pytest.param(*c, marks=pytest.mark.slow) for c in [(1, "adam"), (2, "adam")]],
+        pytest.param(3, "clip_adamw", marks=pytest.mark.slow),
+        (3, "adam"),
+        (2, "adafactor"),
+        (1, "adam_clip"),
+    ],
 )
 def test_host_step_places_the_state_on_host_and_matches_the_device_run(stage, tx):
     opt, state, losses = _run(stage, tx, ON_HOST)
@@ -93,7 +99,7 @@ def test_host_step_fp32_matches_single_device_optax():
 
 def test_fp16_overflow_skips_the_host_update_as_without_offload():
     good, bad = awkward_batches(2)
-    bad = {**bad, "x": bad["x"] * 1e6}  # overflows fp16
+    bad = {"x": (bad["x"] * 1e4).astype(jnp.float16), "y": bad["y"]}  # overflows fp16
     finals, skipped = [], []
     for offload in (None, ON_HOST):
         opt = _opt(2, "adam", offload, FP16)
@@ -110,16 +116,20 @@ def test_fp16_overflow_skips_the_host_update_as_without_offload():
 
 
 def test_each_leaf_is_updated_in_its_own_host_computation():
-    """The lowered step has one ``compute_on('device_host')`` region per parameter leaf
-    (Adam splits per leaf), and the compiled step takes the Optax state and master weights
-    in host memory (memory space S(5)) and the parameters in device memory."""
+    """The lowered step calls one ``compute_on('device_host')`` computation per parameter
+    leaf (Adam splits per leaf), which takes the gradient in the reduce dtype and returns
+    the parameter in the parameter dtype (bf16 both), and the compiled step takes the Optax
+    state and master weights in host memory (memory space S(5))."""
     opt, state, _ = _run(3, "adam", ON_HOST)
     lowered = opt.train_step(awkward_loss, donate=False).lower(state, awkward_batches(1)[0])
-    text = lowered.as_text()
-    assert text.count('_xla_compute_type = "host"') == len(state.plan.params)
+    calls = [line for line in lowered.as_text().splitlines() if "call @update" in line]
+    assert len(calls) == len(state.plan.params)
+    assert all('{_xla_compute_type = "host"}' in line for line in calls)
+    assert all(re.search(r": \(tensor<[0-9x]*bf16>, ", line) for line in calls)  # gradient
+    assert all(line.endswith("bf16>)") for line in calls)  # the new parameter
     entry = lowered.compile().as_text().split("entry_computation_layout={(")[1].split(")->")[0]
     n_host = len(jax.tree.leaves((state.opt_state, state.master)))
-    assert entry.count("S(5)") == 2 * n_host  # arguments and results (params stay on device)
+    assert entry.count("S(5)") == n_host  # the state and master weights; no parameter
 
 
 def test_checkpoint_round_trips_a_host_step_state_bitwise(tmp_path):
@@ -202,7 +212,8 @@ def test_estimate_device_and_host_bytes_match_the_live_state_and_the_compiled_st
     else:
         assert live == {"device": est.params_bytes, HOST: est.host_bytes + count}
         assert est.optimizer_bytes == (0 if mode == "host" else 2 * 12 * psi / 8)
-    batch = {"x": jnp.ones((16, 64)), "y": jnp.ones((16, 32))}
+    rows = jax.sharding.NamedSharding(opt.mesh, jax.sharding.PartitionSpec("data"))
+    batch = jax.device_put({"x": jnp.ones((16, 64)), "y": jnp.ones((16, 32))}, rows)
     compiled = opt.train_step(_even_loss, donate=False).lower(state, batch).compile()
     memory = compiled.memory_analysis()
     arguments = memory.argument_size_in_bytes + memory.host_argument_size_in_bytes
