@@ -5,10 +5,14 @@ weights and gradients as ``Communication(gather_quant="int8")`` and
 refused; the performance knobs jzero has no use for warned.
 
 ``offload_optimizer`` with ``"device": "cpu"`` (or DeepSpeed's older ``"cpu_offload": true``)
-keeps the sharded optimizer state and fp32 master weights in pinned host memory, as
-ZeRO-Offload does, at stages 1-3 as in DeepSpeed. Unlike DeepSpeed, which updates them on the
-CPU (CPU Adam), jzero streams them through the accelerator and runs the Optax update there
-(:mod:`jzero.core.offload.update`); the numbers are those of the run without offload.
+is ``jzero.Offload(optimizer="host")``: the sharded optimizer state and fp32 master weights
+rest in pinned host memory and the Optax update runs on the host, as DeepSpeed runs its CPU
+Adam there (:mod:`jzero.core.offload.host_step`), at stages 1-3 as in DeepSpeed. It is the
+same split as DeepSpeed's (16-bit gradients down, 16-bit parameters up, no optimizer state
+on the accelerator); jzero's other mode, streaming the state through the accelerator
+(``Offload(optimizer="stream")``), has no DeepSpeed key. The numbers are those of the run
+without offload. ``sub_group_size`` bounds the streamed mode's chunks only: with the
+config's host step it changes nothing (noted).
 
 ``stage3_param_persistence_threshold``: DeepSpeed keeps parameters of at most that many
 elements whole at stage 3 (``numel <= threshold``); jzero's ``min_shard_size`` keeps leaves
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
+from ..core.offload.options import Offload
 from .keys import Key, Section, attempt, boolean, integer, no_effect, number, one_of, positive
 
 
@@ -77,7 +82,7 @@ OFFLOAD_PARAM = {  # only "device": "none" passes, so every other key has no eff
 ZERO = {
     "stage": Key(stage, 0),
     "stage3_param_persistence_threshold": Key(integer),  # -> min_shard_size at stage 3
-    "offload_optimizer": Key(default={}),  # "device": "cpu" -> offload="optimizer"
+    "offload_optimizer": Key(default={}),  # "device": "cpu" -> Offload(optimizer=...)
     "offload_param": Key(default={}),
     "cpu_offload": Key(boolean, False),  # true: offload_optimizer's "device": "cpu"
     "overlap_comm": no_effect("XLA's scheduler decides what overlaps with what"),
@@ -102,10 +107,10 @@ ZERO = {
     "zero_quantized_weights": Key(boolean, False),  # -> Communication(gather_quant="int8")
     "zero_quantized_gradients": Key(boolean, False),  # -> Communication(grad_quant="int8")
     "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
-    "sub_group_size": Key(positive),  # with offload: offload_chunk
+    "sub_group_size": Key(positive),  # noted: the host step has no chunks
     "round_robin_gradients": no_effect(
-        "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; jzero "
-        "keeps gradients on the accelerator (offload moves the optimizer state only)"
+        "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; in "
+        "jzero each device copies down only its own gradient shards"
     ),
     "elastic_checkpoint": no_effect("jzero.Checkpointer restores on any device count"),
     "ignore_unused_parameters": no_effect("unused parameters get zero gradients"),
@@ -117,10 +122,9 @@ class Zero(NamedTuple):
 
     stage: int  # zero_optimization.stage (DeepSpeed's default 0)
     min_shard_size: int | None  # stage3_param_persistence_threshold + 1 at stage 3, else None
-    offload: Literal["optimizer"] | None  # offload_optimizer "cpu" / cpu_offload: "optimizer"
+    offload: Offload | None  # offload_optimizer "cpu" / cpu_offload: the step on the host
     gather_quant: Literal["int8"] | None  # zero_quantized_weights: "int8"
     grad_quant: Literal["int8"] | None  # zero_quantized_gradients: "int8"
-    offload_chunk: int | None  # sub_group_size, with offload; else None
 
 
 def read_zero(top: Section) -> Zero:
@@ -138,23 +142,22 @@ def read_zero(top: Section) -> Zero:
             "it quantizes the gradient reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 "
             "all-reduces whole gradients; use stage 1, 2 or 3.",
         )
-    return Zero(
-        stage, _min_shard_size(zero), offload, gather_quant, grad_quant, _chunk(zero, offload)
-    )
+    return Zero(stage, _min_shard_size(zero), offload, gather_quant, grad_quant)
 
 
-def _chunk(zero: Section, offload: str | None) -> int | None:
-    """``sub_group_size`` (elements per optimizer sub-step) as ``offload_chunk``: the most
-    elements of a leaf whose offloaded state streams through the device at once."""
+def _note_sub_group_size(zero: Section, offloaded: bool) -> None:
+    """``sub_group_size`` (elements per optimizer sub-step) changes nothing here: it would
+    be ``Offload.chunk``, which bounds only a state streamed through the device."""
     if "sub_group_size" not in zero:
-        return None
-    if offload is None:
-        zero.note(
-            "sub_group_size",
-            "without optimizer offload the update is one XLA program over every shard",
-        )
-        return None
-    return zero["sub_group_size"]
+        return
+    zero.note(
+        "sub_group_size",
+        "the offloaded update runs on the host one whole leaf at a time (to bound a state "
+        "streamed through the accelerator instead, use jzero.Offload(optimizer='stream', "
+        "chunk=...))"
+        if offloaded
+        else "without optimizer offload the update is one XLA program over every shard",
+    )
 
 
 def _min_shard_size(zero: Section) -> int | None:
@@ -167,9 +170,9 @@ def _min_shard_size(zero: Section) -> int | None:
     return max(0, zero[key]) + 1
 
 
-def _offload(zero: Section) -> Literal["optimizer"] | None:
-    """``"optimizer"`` when ``offload_optimizer`` (or ``cpu_offload``) offloads to the CPU;
-    refuses parameter offload, NVMe, both spellings at once, and stage 0."""
+def _offload(zero: Section) -> Offload | None:
+    """The :class:`Offload` when ``offload_optimizer`` (or ``cpu_offload``) offloads to the
+    CPU; refuses parameter offload, NVMe, both spellings at once, and stage 0."""
     optimizer = zero.section("offload_optimizer", _for_device(zero, "offload_optimizer"))
     zero.section("offload_param", _for_device(zero, "offload_param"))
     if "cpu_offload" in zero and "offload_optimizer" in zero:
@@ -183,6 +186,7 @@ def _offload(zero: Section) -> Literal["optimizer"] | None:
     elif optimizer["device"] == "cpu":
         where, key = optimizer, "device"
     else:
+        _note_sub_group_size(zero, offloaded=False)
         return None
     if zero["stage"] == 0:
         where.refuse(
@@ -190,7 +194,8 @@ def _offload(zero: Section) -> Literal["optimizer"] | None:
             "optimizer offload needs stage 1, 2 or 3 (as in DeepSpeed): at stage 0 every "
             "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3.",
         )
-    return "optimizer"
+    _note_sub_group_size(zero, offloaded=True)
+    return Offload(optimizer="host")
 
 
 def _for_device(zero: Section, key: str) -> Mapping[str, Key]:

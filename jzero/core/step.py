@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,8 @@ from .layout import pad, unpad
 from .local_grads import local_grads
 from .memory import check_state_offload
 from .mesh_types import on_compute_mesh, typed
+from .offload.host_step import Gradients, host_update
+from .offload.options import NO_OFFLOAD, Offload
 from .offload.update import offloaded_update
 from .placement import constrain, store, typed_state, view
 from .plan import Plan
@@ -84,7 +86,7 @@ def make_train_step(
     comm: Communication,
     mesh: Mesh,
     stage: int,
-    offload: Literal["optimizer"] | None = None,
+    offload: Offload = NO_OFFLOAD,
 ) -> TrainStep:
     """Builds the jitted ``step(state, batch) -> (state, metrics)`` for ``state.plan``.
 
@@ -154,8 +156,9 @@ def _sharded(body: Callable, state: ZeroState, scale: jax.Array, batch: Any, ali
 
 
 def _global_view(plan: Plan, loss: Any, grads: Any, scale: jax.Array, grad_accum: int) -> tuple:
-    """Sums over devices -> means (unscaled, padding sliced off). With a :class:`Weighted`
-    loss, also whether its global count is valid (else None)."""
+    """Sums over devices -> means (unscaled, padding sliced off; kept beside the reduced
+    sums, which the host step reads). With a :class:`Weighted` loss, also whether its
+    global count is valid (else None)."""
     ok = None
     if isinstance(loss, Weighted):  # global sums: divide by the global count
         ok = counted(loss.count)
@@ -163,12 +166,12 @@ def _global_view(plan: Plan, loss: Any, grads: Any, scale: jax.Array, grad_accum
         denominator = divisor(loss.count) * scale
     else:
         denominator = plan.dp_size * grad_accum * scale
-    grads = jax.tree.map(
+    averaged = jax.tree.map(
         lambda g, lay: unpad(g.astype(jnp.float32) / denominator, lay),
         grads,
         plan.params_tree(),
     )
-    return loss, grads, ok
+    return loss, Gradients(grads, denominator, averaged), ok
 
 
 def _apply(tx, precision, state, outputs, scale, ok, options) -> tuple[ZeroState, Metrics]:
@@ -176,7 +179,7 @@ def _apply(tx, precision, state, outputs, scale, ok, options) -> tuple[ZeroState
     loss, grads, model_state, aux = outputs
     count = loss.count if isinstance(loss, Weighted) else None
     loss = loss.total if isinstance(loss, Weighted) else loss
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads.averaged)}
     finite = None
     if state.loss_scale is not None:  # non-finite gradients: the update keeps the state
         finite = jnp.isfinite(metrics["grad_norm"])
@@ -211,7 +214,7 @@ def _update(
     tx: optax.GradientTransformation,
     precision: Precision,
     state: ZeroState,
-    grads: Any,
+    grads: Gradients,
     finite: jax.Array | None,
 ) -> ZeroState:
     """The Optax update in the global view, on fp32 master weights, then re-placement.
@@ -219,18 +222,23 @@ def _update(
     Where ``finite`` is False (non-finite gradients under dynamic loss scaling, or an
     invalid :class:`Weighted` count) the step keeps the old parameters, Optax state and
     master weights. With an offloaded optimizer the state streams through the device
-    (:func:`.offload.update.offloaded_update`).
+    (:func:`.offload.update.offloaded_update`), or is updated on the host
+    (:func:`.offload.host_step.host_update`).
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params
-    if plan.offloads:
-        params, opt_state, master = offloaded_update(
+    if plan.host_step:
+        params, opt_state, master = host_update(
             tx, precision, plan, grads, state.opt_state, weights, finite
+        )
+    elif plan.offloads:
+        params, opt_state, master = offloaded_update(
+            tx, precision, plan, grads.averaged, state.opt_state, weights, finite
         )
     else:
         master = view(weights, plan.master if plan.master is not None else plan.params)
         opt_state = view(state.opt_state, plan.opt)
-        updates, opt_state = tx.update(grads, opt_state, master)
+        updates, opt_state = tx.update(grads.averaged, opt_state, master)
         master = optax.apply_updates(master, updates)
         opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
         params = precision.cast(master)
