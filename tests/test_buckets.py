@@ -22,7 +22,7 @@ import jzero
 from jzero.accounting import collectives
 from jzero.core.comm.buckets import all_gather_flat, reduce_scatter_flat
 from jzero.core.comm.collectives import all_gather, reduce_scatter
-from jzero.core.layout import leaf_layout
+from jzero.core.leaf_layout import leaf_layout
 
 N = 8
 SHAPES = [(16, 24), (24,), (5, 3), (7,), (4, 9, 16), (3, 10)]  # some padded, dims 0/1/2

@@ -48,7 +48,7 @@ import jzero
 from jzero.accounting import collectives, comm_bytes
 from jzero.core.comm.collectives import all_gather
 from jzero.core.comm.quantize import Quant, dequantize, quantize, quantized_all_gather
-from jzero.core.layout import leaf_layout
+from jzero.core.leaf_layout import leaf_layout
 
 N = 8
 INT8 = jzero.Communication(gather_quant="int8")

@@ -45,7 +45,7 @@ from jzero.core.comm.quantize import (
     quantized_reduce_scatter,
     unpack_int4,
 )
-from jzero.core.layout import leaf_layout
+from jzero.core.leaf_layout import leaf_layout
 from jzero.core.mesh import DATA
 
 N = 8

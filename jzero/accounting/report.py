@@ -22,7 +22,7 @@ import numpy as np
 from .._table import table
 from ..core.checks import check_live
 from ..core.plan import Plan
-from ..core.state import ZeroState
+from ..core.zero_state import ZeroState
 from .estimate import theory_comm_bytes, theory_comm_bytes_per_axis, theory_model_state_bytes
 from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, summary_table
 

@@ -27,17 +27,17 @@ from flax import struct
 from jax.sharding import Mesh
 
 from ..core.communication import Communication
-from ..core.layout import DEFAULT_MIN_SHARD_SIZE
+from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
 from ..core.rules import Rules
-from ..core.state import ZeroState
 from ..core.step_options import StepOptions, step_options
+from ..core.zero_state import ZeroState
+from .adapter_step import AdapterStep, adapter_options
 from .linen_layers import by_layer, layer_classes
 from .specs import linen_specs
-from .step import AdapterStep, adapter_options
 
 
 @struct.dataclass

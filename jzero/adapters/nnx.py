@@ -35,20 +35,20 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from ..core.communication import Communication
-from ..core.layout import DEFAULT_MIN_SHARD_SIZE
+from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
 from ..core.rules import Rules
-from ..core.state import ZeroState
 from ..core.step_options import StepOptions, step_options
+from ..core.zero_state import ZeroState
+from .adapter_step import AdapterStep, adapter_options
 from .nnx_layers import by_layer, check_layers, layer_classes
 from .nnx_remat import gathered as gathered
 from .nnx_remat import is_sharded, split
 from .nnx_remat import remat_layer as remat_layer
 from .specs import nnx_specs
-from .step import AdapterStep, adapter_options
 
 
 @struct.dataclass

@@ -33,7 +33,7 @@ from ..core.checks import check_live
 from ..core.checksum import checksums
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Plan
-from ..core.state import ZeroState
+from ..core.zero_state import ZeroState
 from .checks import check_extra, check_like, check_optimizer
 from .errors import (
     CheckpointError,

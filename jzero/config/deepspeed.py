@@ -28,10 +28,10 @@ from ..core.plan import Stage
 from ..core.precision import Precision
 from .auto import fill_auto
 from .findings import Findings
+from .fp16_bf16 import COMMUNICATION, read_precision
 from .jsonc import parse as parse_jsonc
 from .keys import Key, Section, attempt, no_effect, number, positive
 from .optim import read_optimizer
-from .precision import COMMUNICATION, read_precision
 from .schedules import read_schedule
 from .zero import read_zero
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from . import rng
 from .comm.collectives import reduce_scatter
 from .comm.quantize import Quant
-from .layout import LeafLayout
+from .leaf_layout import LeafLayout
 from .mesh import DATA, REPLICA
 from .plan import Plan
 

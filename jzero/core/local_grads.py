@@ -28,14 +28,13 @@ import jax.numpy as jnp
 from ..internal.unbound_axes import vmapped_collectives
 from ..internal.vmap_axes import without_vma_checks
 from . import rng
-from .axis_alias import aliased
-from .axis_names import as_tuple, explain_unknown_axis
-from .checks import check_loss, split_model_state
+from .axis_aliases import aliased, as_tuple, explain_unknown_axis
 from .comm.collectives import Sharded, after, gather_each, saves_no_gathered
 from .communication import Communication
 from .gather.autogather import gather_where_used
 from .grad_reduction import agree, agree_aux, combine_micro, reduce
-from .layout import LeafLayout
+from .leaf_layout import LeafLayout
+from .loss_protocol import check_loss, split_model_state
 from .mesh import DATA, REPLICA
 from .plan import Plan
 from .precision import Precision
@@ -66,7 +65,7 @@ def local_grads(
 
     The loss comes back as the mean over devices, or as a :class:`Weighted` of global sums
     when ``loss_fn`` returns one. ``aliases``: the model's names for the batch axes
-    (:mod:`.axis_alias`; the shard_map's mesh must have them, as ``alias_mesh`` makes it).
+    (:mod:`.axis_aliases`; the shard_map's mesh must have them, as ``alias_mesh`` makes it).
     """
     axes = plan.batch_axes  # 'data', or ('replica', 'data') when hybrid
     call_loss = _loss_caller(plan, loss_fn, options, aliases)

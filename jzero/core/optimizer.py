@@ -1,7 +1,7 @@
 """``ZeroOptimizer``: the front users hold -- configuration, and four calls into the core.
 
 It validates the configuration and makes the :class:`Plan` for a parameter tree; init and
-export go to :mod:`.placement` with that plan, and ``train_step`` hands ``(tx, precision,
+export go to :mod:`.stored_form` with that plan, and ``train_step`` hands ``(tx, precision,
 loss_fn, mesh, stage)`` to :func:`.step.make_train_step`, whose step reads placement from
 ``state.plan`` alone. Nothing in the core calls back into this class.
 """
@@ -26,17 +26,17 @@ from .checks import (
     check_state,
 )
 from .communication import Communication
-from .layout import DEFAULT_MIN_SHARD_SIZE
+from .leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from .mesh import REPLICA, check_mesh, fit_specs
 from .offload.options import Offload, as_offload
 from .param_owners import param_owners
-from .placement import full_params, full_state, init_program
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
 from .rules import Rules, check_rules, logical_to_mesh
-from .state import ZeroState
-from .step import TrainStep, make_train_step
 from .step_options import StepOptions, step_options
+from .stored_form import full_params, full_state, init_program
+from .train_step import TrainStep, make_train_step
+from .zero_state import ZeroState
 
 
 class ZeroOptimizer:
@@ -269,7 +269,7 @@ class ZeroOptimizer:
         instead (``train_step(loss_fn, has_aux=True)``), not both. ``loss_fn`` may return a
         :class:`jzero.Weighted` ``(total, count)`` for a loss averaged over the global
         batch's tokens. A state consumed by an earlier donated step is refused with an
-        error, not reused. See :func:`jzero.core.step.make_train_step`.
+        error, not reused. See :func:`jzero.core.train_step.make_train_step`.
         """
         return make_train_step(
             loss_fn,

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._table import table
-from .layout import LeafLayout, leaf_layout
+from .leaf_layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
 from .mesh_types import compute_mesh
 from .offload.options import DEFAULT_OFFLOAD_CHUNK as DEFAULT_OFFLOAD_CHUNK

@@ -51,10 +51,10 @@ from ...internal import interpret
 from ...internal.equation import Equation, equations
 from ...internal.interpret import REBINDS, Rules, bind, rebind
 from ...internal.interpret import value as read
-from ..layout import unpad
-from ..placement import store, to_device, to_host, view
+from ..leaf_layout import unpad
 from ..plan import Plan, Stored
 from ..precision import Precision
+from ..stored_form import store, to_device, to_host, view
 from .split import Bucket, Split, evaluate, split_update
 
 

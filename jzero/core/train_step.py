@@ -20,25 +20,24 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .agreement import Agreement
-from .axis_alias import alias_mesh
-from .axis_names import check_aliases
+from .axis_aliases import alias_mesh, check_aliases
 from .batch_sharding import check_batch_sharding
 from .checks import check_batch, check_global_batch, check_live, check_state
 from .comm.collectives import all_gather
 from .communication import Communication
-from .layout import pad, unpad
+from .leaf_layout import pad, unpad
 from .local_grads import local_grads
-from .memory import check_state_offload
+from .memory_kinds import check_state_offload
 from .mesh_types import on_compute_mesh, typed
 from .offload.host_step import Gradients, host_update
 from .offload.options import NO_OFFLOAD, Offload
 from .offload.update import offloaded_update
-from .placement import constrain, store, typed_state, view
 from .plan import Plan
 from .precision import Precision
-from .state import ZeroState
 from .step_options import StepOptions
+from .stored_form import constrain, store, typed_state, view
 from .weighted import CountWatch, Weighted, counted, divisor, skip_uncounted
+from .zero_state import ZeroState
 
 Metrics = dict[str, Any]
 

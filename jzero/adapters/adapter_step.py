@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..core.state import ZeroState
-from ..core.step import Metrics, TrainStep
 from ..core.step_options import StepOptions
+from ..core.train_step import Metrics, TrainStep
+from ..core.zero_state import ZeroState
 
 
 class AdapterStep:
