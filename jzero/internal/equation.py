@@ -186,6 +186,37 @@ class Equation:
         arguments the user's function was called with, flattened."""
         return list(operands[self.jaxpr_eqn.params["num_consts"] :])
 
+    @property
+    def first_order(self) -> bool:
+        """Whether the primitive computes its outputs from its operands alone: no jaxpr of
+        its own (a call, loop, branch, checkpoint) and no custom differentiation rule."""
+        return not self.subjaxprs and self.kind not in (Kind.CUSTOM_VJP, Kind.CUSTOM_JVP)
+
+    # slice / dynamic_slice
+
+    @property
+    def takes_one_leading_index(self) -> bool:
+        """Whether this ``lax.slice`` / ``lax.dynamic_slice`` takes ``x[i:i+1]`` of its
+        first operand ``x`` along axis 0 and all of every other axis (``x[i]`` before its
+        squeeze)."""
+        if self.kind is not Kind.SLICE or not self.jaxpr_eqn.invars[0].aval.shape:
+            return False
+        p, shape = self.jaxpr_eqn.params, self.jaxpr_eqn.invars[0].aval.shape
+        if "slice_sizes" in p:  # dynamic_slice: operand, then one start per axis
+            return tuple(p["slice_sizes"]) == (1, *shape[1:])
+        start, limit, strides = p["start_indices"], p["limit_indices"], p["strides"]
+        whole = tuple(start[1:]) == (0,) * (len(shape) - 1) and tuple(limit[1:]) == shape[1:]
+        unit = strides is None or all(s == 1 for s in strides)
+        return whole and unit and limit[0] == start[0] + 1
+
+    def leading_index(self, operands: Sequence[Any]) -> Any:
+        """The ``i`` of :attr:`takes_one_leading_index` (an int, or the traced start of a
+        dynamic slice), or None when it does not."""
+        if not self.takes_one_leading_index:
+            return None
+        p = self.jaxpr_eqn.params
+        return operands[1] if "slice_sizes" in p else p["start_indices"][0]
+
     # broadcast_in_dim
 
     @property
@@ -204,6 +235,21 @@ class Equation:
 def equations(jaxpr: ClosedJaxpr | Jaxpr) -> list[Equation]:
     """The top-level equations of ``jaxpr``, in order."""
     return [Equation(e) for e in closed(jaxpr).jaxpr.eqns]
+
+
+def only_indexed(jaxpr: ClosedJaxpr | Jaxpr, position: int) -> bool:
+    """Whether ``jaxpr``'s input number ``position`` is read only by equations that take
+    one index of its leading axis (:meth:`Equation.leading_index`), never whole: not by any
+    other equation, nor returned."""
+    inner = closed(jaxpr).jaxpr
+    var = inner.invars[position]
+    if any(v is var for v in inner.outvars):
+        return False
+    for eqn in equations(jaxpr):
+        reads = [i for i, v in enumerate(eqn.inputs) if v is var]
+        if reads and (reads != [0] or not eqn.takes_one_leading_index):
+            return False
+    return True
 
 
 def walk(jaxpr: ClosedJaxpr | Jaxpr) -> Iterator[Equation]:

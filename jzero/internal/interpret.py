@@ -95,6 +95,14 @@ def bind(eqn: Equation, args: Sequence[Any], params: dict[str, Any] | None = Non
     return list(out) if prim.multiple_results else [out]
 
 
+def bind_in_context(eqn: Equation, args: Sequence[Any]) -> list:
+    """:func:`bind`, in ``eqn``'s own context (its abstract mesh, ``compute_on``, XLA
+    metadata): for a rule that binds an equation later, outside :func:`evaluate` (e.g.
+    again in a backward pass)."""
+    with eqn.jaxpr_eqn.ctx.manager:
+        return bind(eqn, args)
+
+
 REBINDS = frozenset({Kind.CALL, Kind.REMAT, Kind.SCAN, Kind.COND, Kind.WHILE})
 """The kinds :func:`rebind` re-applies (``custom_jvp`` / ``custom_vjp`` rules are opaque)."""
 

@@ -31,6 +31,7 @@ class Kind(enum.Enum):
     PVARY = "pvary"  # the no-op invariant -> varying cast inside shard_map
     AXIS_INDEX = "axis_index"  # lax.axis_index
     BROADCAST = "broadcast"  # broadcast_in_dim
+    SLICE = "slice"  # lax.slice / lax.dynamic_slice (what indexing an array binds)
     ELEMENTWISE = "elementwise"  # maps each element to the same element of its result
     OTHER = "other"
 
@@ -60,6 +61,8 @@ _KINDS: dict[Primitive, Kind] = {
     pvary_p: Kind.PVARY,
     prims.axis_index_p: Kind.AXIS_INDEX,
     prims.broadcast_in_dim_p: Kind.BROADCAST,
+    prims.slice_p: Kind.SLICE,
+    prims.dynamic_slice_p: Kind.SLICE,
     **dict.fromkeys(ELEMENTWISE, Kind.ELEMENTWISE),
 }
 

@@ -22,32 +22,20 @@ evaluated by jzero's jaxpr interpreter (:mod:`jzero.internal.interpret`) under
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from ...internal.equation import Equation, Remat, Scan
+from ...internal.equation import Equation, Remat, Scan, only_indexed
 from ...internal.interpret import Rules, run
 from ...internal.primitives import Kind
 from ..comm.collectives import Sharded, gather, gather_each, saves_no_gathered
+from .deferred import Deferred, Derived, is_lazy, use
 from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
-
-
-class _Deferred:
-    """A parameter not gathered yet: its :class:`Sharded` handle (a whole leaf, or one
-    scanned layer of a stacked leaf), gathered once on first use wherever that is: an
-    inlined ``jit`` body has an environment of its own, and a tied embedding used inside
-    and outside one must still be gathered (and its gradient reduce-scattered) once."""
-
-    def __init__(self, handle: Sharded):
-        self.handle, self._full = handle, None
-
-    def full(self) -> Any:
-        if self._full is None:
-            self._full = self.handle.gather()
-        return self._full
 
 
 def gather_where_used(fn: Callable[..., Any], *, prefetch: bool = False) -> Callable[..., Any]:
@@ -58,44 +46,110 @@ def gather_where_used(fn: Callable[..., Any], *, prefetch: bool = False) -> Call
     """
 
     def call(params: Any, *args: Any) -> Any:
-        is_handle = lambda x: isinstance(x, Sharded)
         traced, out_shape = jax.make_jaxpr(lambda p, *a: fn(gather_each(p), *a), return_shape=True)(
             params, *args
         )
-        handles = [x for x in jax.tree.leaves(params, is_leaf=is_handle) if is_handle(x)]
-        rules = _Gathering(handles, prefetch=prefetch)
+        shared = _used_more_than_once(traced, params, args)
+        rules = _Gathering(_handles(params), prefetch=prefetch, shared=shared)
         out = run(traced, jax.tree.leaves((params, args)), rules)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return call
 
 
+def _handles(params: Any) -> list[Sharded]:
+    is_handle = lambda x: isinstance(x, Sharded)
+    return [x for x in jax.tree.leaves(params, is_leaf=is_handle) if is_handle(x)]
+
+
+def _used_more_than_once(traced: Any, params: Any, args: tuple) -> frozenset[int]:
+    """The keys (:attr:`Deferred.key`) of the deferred parameters ``traced`` uses more than
+    once outside loops and checkpoints: a dry run (traced, then dropped) that counts uses."""
+    counts = []
+
+    def dry(params: Any, *args: Any) -> list:
+        rules = _Gathering(_handles(params), shared=frozenset(), counting=True)
+        out = run(traced, jax.tree.leaves((params, args)), rules)
+        counts.append(rules.uses)
+        return out
+
+    jax.make_jaxpr(dry)(params, *args)
+    return frozenset(k for k, n in counts[0].items() if n > 1)
+
+
+_KEEP = jax.checkpoint_policies.everything_saveable
+
+
 class _Gathering(Rules):
     """The rules of deferred gathering (see the module docstring) for jzero's interpreter:
     ``handles``' gathers (``jzero.gather``'s ``custom_vjp``, called on a handle's
     sink and value) are deferred; the first equation that reads a deferred value gathers
-    it, unless it is a scan, an inlined call or a checkpoint that can take it deferred."""
+    it, unless it is a scan, an inlined call or a checkpoint that can take it deferred, or
+    the value's one use (:func:`.deferred.use`).
 
-    def __init__(self, handles: Sequence[Sharded] = (), *, prefetch: bool = False):
+    ``shared``: the keys of the parameters used more than once (gathered where first read,
+    and held); None inside loop bodies, where nothing is gathered per use. ``counting``:
+    a dry run that counts each parameter's uses in :attr:`uses` (nothing per use).
+    """
+
+    def __init__(
+        self,
+        handles: Sequence[Sharded] = (),
+        *,
+        prefetch: bool = False,
+        shared: frozenset[int] | None = None,
+        counting: bool = False,
+    ):
         self.handles = {id(h.sink): h for h in handles}
-        self.prefetch = prefetch
+        self.prefetch, self.shared, self.counting = prefetch, shared, counting
+        self.uses: collections.Counter[int] = collections.Counter()
+        self._keys = itertools.count()
+
+    def nested(self) -> _Gathering:
+        """The rules for a loop body: the same options, nothing gathered per use."""
+        return _Gathering(prefetch=self.prefetch)
 
     def read(self, x: Any, atom: Any = None) -> Any:
         del atom
-        return x.full() if isinstance(x, _Deferred) else x  # first use: gathered here
+        if self.counting and is_lazy(x):
+            self.uses.update(b.key for b in (x.bases if isinstance(x, Derived) else [x]))
+        if isinstance(x, Derived):
+            return x.value()
+        return x.full() if isinstance(x, Deferred) else x  # first use: gathered here
 
     def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
         if eqn.kind is Kind.CUSTOM_VJP and (handle := self._gathered(eqn, values)) is not None:
-            return [_Deferred(handle)]  # jzero.gather: deferred
-        if not any(isinstance(x, _Deferred) for x in values):
+            return [self._deferred(handle)]  # jzero.gather: deferred
+        if not any(isinstance(x, Deferred | Derived) for x in values):
             return None
-        if eqn.kind is Kind.SCAN:
-            return _scan(eqn.scan(values), self)
         if eqn.kind is Kind.CALL:
             return run(eqn.call(), values, self)
+        if self.counting and eqn.kind in (Kind.SCAN, Kind.REMAT):
+            return None  # each deferred input read: one use
+        if eqn.kind is Kind.SCAN:
+            return _scan(eqn.scan(values), self)
         if eqn.kind is Kind.REMAT:
             return _checkpoint(eqn.remat(), values)
+        if (layer := self._indexed(eqn, values)) is not None:
+            return [layer]
+        if eqn.first_order and not self.counting and any(map(is_lazy, values)):
+            return use(eqn, values, self.read, _KEEP)
         return None
+
+    def _deferred(self, handle: Sharded, parent: Deferred | None = None) -> Deferred:
+        if self.shared is None or (parent is not None and parent.key is None):
+            return Deferred(handle)
+        key = next(self._keys)
+        return Deferred(handle, key=key, per_use=key not in self.shared)
+
+    def _indexed(self, eqn: Equation, values: list[Any]) -> Deferred | None:
+        """``x[i]`` of a deferred stack ``x`` (``params['blocks'][i]``, a ``fori_loop``'s
+        ``w[i]``): the layer's shards, deferred."""
+        x, i = values[0], eqn.leading_index(values)
+        if i is None or not isinstance(x, Deferred) or not x.indexable():
+            return None
+        layer = x.index(i)
+        return self._deferred(layer.handle, parent=x)
 
     def _gathered(self, eqn: Equation, values: list[Any]) -> Sharded | None:
         """The handle whose gather ``eqn`` is (its first argument is the handle's sink)."""
@@ -107,16 +161,21 @@ class _Gathering(Rules):
 def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
     """A ``scan`` whose deferred scanned inputs are sliced sharded and gathered per step."""
     n_carry = len(scan.init)
-    consts = [rules.read(x) for x in scan.consts]  # used by every step: gathered once
+    # Used by every step: gathered once; but a deferred stack that the body only indexes
+    # (a fori_loop's w[i]) stays deferred, and each step gathers its layer.
+    per_step = lambda i, x: isinstance(x, Deferred) and x.indexable() and only_indexed(scan.body, i)
+    consts = [x if per_step(i, x) else rules.read(x) for i, x in enumerate(scan.consts)]
     init = [rules.read(x) for x in scan.init]
     # A stack sharded along its stacked axis cannot be sliced per step: gathered whole.
-    sliceable = lambda x: isinstance(x, _Deferred) and x.handle.layout.axis(x.handle.value) > 0
+    sliceable = lambda x: isinstance(x, Deferred) and x.handle.layout.axis(x.handle.value) > 0
     xs = [x if sliceable(x) else rules.read(x) for x in scan.xs]
-    scanned = [x.handle if isinstance(x, _Deferred) else x for x in xs]
-    lazy = [isinstance(x, _Deferred) for x in xs]
+    scanned = [x.handle if isinstance(x, Deferred) else x for x in xs]
+    lazy = [isinstance(x, Deferred) for x in xs]
     body_consts = list(scan.body.consts)
 
-    if rules.prefetch and any(lazy) and can_prefetch(body_consts, consts, init, scanned):
+    whole = [x for x in consts if not isinstance(x, Deferred)]
+    if rules.prefetch and any(lazy) and can_prefetch(body_consts, whole, init, scanned):
+        consts = [rules.read(x) for x in consts]
         handles = [x for x, d in zip(scanned, lazy) if d]
         others = [x for x, d in zip(scanned, lazy) if not d]
         n_body = len(body_consts)
@@ -135,11 +194,11 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
         return [*carry, *ys]
 
     def step(carry, x_slices):
-        if any(x.handle.bucket for x in xs if isinstance(x, _Deferred)):
+        if any(x.handle.bucket for x in xs if isinstance(x, Deferred)):
             slices = gather(list(x_slices))  # the layer's leaves in one flat collective
         else:  # each gathered where the step first uses it
-            slices = [_Deferred(s) if d else s for s, d in zip(x_slices, lazy)]
-        outs = run(scan.body, [*consts, *carry, *slices], rules)
+            slices = [Deferred(s) if d else s for s, d in zip(x_slices, lazy)]
+        outs = run(scan.body, [*consts, *carry, *slices], rules.nested())
         return outs[:n_carry], outs[n_carry:]
 
     # Rematerialised per step: backward gathers each layer again inside its own loop
@@ -159,9 +218,10 @@ def _checkpoint(remat: Remat, operands: list[Any]) -> list[Any]:
     parameters: run as :func:`jzero.remat_layer` with the region's policy, so the region
     gathers them once its inputs exist and again in backward once its output cotangents
     exist (as a plain checkpoint does on GPU, but also on XLA:CPU, see remat.py)."""
-    lazy = [isinstance(x, _Deferred) for x in operands]
-    handles = [x.handle for x in operands if isinstance(x, _Deferred)]
-    others = [x for x in operands if not isinstance(x, _Deferred)]
+    operands = [x.value() if isinstance(x, Derived) else x for x in operands]
+    lazy = [isinstance(x, Deferred) for x in operands]
+    handles = [x.handle for x in operands if isinstance(x, Deferred)]
+    others = [x for x in operands if not isinstance(x, Deferred)]
 
     def region(params, *rest):
         params, rest = iter(params), iter(rest)

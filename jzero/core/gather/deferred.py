@@ -1,0 +1,134 @@
+"""Parameters not gathered yet, and gathering at each use: stage 3 for unrolled models.
+
+Stage 3's default gathering (:mod:`.autogather`) re-runs the loss with each ``jzero.gather``
+deferred (a :class:`Deferred`). Inside scans and checkpointed layers the loop step or the
+layer gathers it. Elsewhere -- an unrolled model: a Python loop over a list of layers,
+``params['blocks'][i]``, Flax Linen / NNX modules called one after another -- a parameter
+used once is gathered *at its use* (:func:`use`): the equation that consumes it (say the
+``dot_general`` of ``x @ w``) becomes a :func:`jzero.remat_layer` of its own, which
+gathers ``w`` once ``x`` exists and, in backward, again once the cotangent of ``x @ w``
+exists. So about one layer's gathered parameters are alive at a time, forward and
+backward; every activation is kept (nothing is recomputed but the gather and the
+reshapes or casts of the weight, FSDP's trade); each weight is all-gathered twice per step.
+Without those data dependencies XLA:CPU merges the backward gather into the forward one
+(common-subexpression elimination) and holds every gathered weight through backward.
+
+What a parameter feeds before its use (a reshape, a transpose, a cast) is a
+:class:`Derived` value: computed again inside the use from the gathered parameter, and
+named ``GATHERED`` so that no remat policy saves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from ...internal.equation import Equation, is_literal
+from ...internal.interpret import bind_in_context
+from ..comm.collectives import GATHERED, Sharded
+from .remat import remat_layer
+
+
+class Deferred:
+    """A parameter not gathered yet: its :class:`Sharded` handle (a whole leaf, or one layer
+    of a stacked leaf).
+
+    Attributes:
+        handle: the parameter's handle.
+        key: its number among the deferred parameters of the loss's top level, in the order
+            they appear (the same in every run of one jaxpr); None inside a loop body.
+        per_use: gathered inside its one use (:func:`use`); else where first read, once,
+            and held from there (:meth:`full`: a parameter used more than once).
+    """
+
+    def __init__(self, handle: Sharded, *, key: int | None = None, per_use: bool = False):
+        self.handle, self.key, self.per_use = handle, key, per_use
+        self._full = None
+
+    def full(self) -> Any:
+        """The parameter gathered (once: an inlined ``jit`` body has an environment of its
+        own, and a tied embedding used inside and outside one is still gathered once)."""
+        if self._full is None:
+            self._full = self.handle.gather()
+        return self._full
+
+    def indexable(self) -> bool:
+        """Whether one index of the leading axis (a layer of a stack) can be taken from the
+        shards: the leaf is sharded along another axis."""
+        return self.handle.layout.axis(self.handle.value) > 0
+
+    def index(self, i: Any, **kwargs: Any) -> Deferred:
+        """``x[i:i+1]`` of the parameter (leading axis), not gathered yet: its shard's."""
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0)
+        return Deferred(jax.tree.map(take, self.handle), **kwargs)
+
+
+class Derived:
+    """Output ``index`` of equation ``eqn`` applied to ``inputs``: each a per-use
+    :class:`Deferred`, a :class:`Derived` or a literal. Computed where it is used."""
+
+    def __init__(self, eqn: Equation, inputs: list[Any], index: int):
+        self.eqn, self.inputs, self.index = eqn, inputs, index
+        self.bases = _bases(inputs)  # the deferred parameters it is computed from
+        self._value = None
+
+    def compute(self, full: dict[int, Any]) -> Any:
+        """Its value, from ``full``: each of :attr:`bases` gathered, by ``id``."""
+        args = [value_from(x, full) for x in self.inputs]
+        out = bind_in_context(self.eqn, args)[self.index]
+        return checkpoint_name(out, GATHERED) if jnp.issubdtype(out.dtype, jnp.inexact) else out
+
+    def value(self) -> Any:
+        """Its value from its bases gathered where first read (:meth:`Deferred.full`)."""
+        if self._value is None:
+            self._value = self.compute({id(b): b.full() for b in self.bases})
+        return self._value
+
+
+def is_lazy(x: Any) -> bool:
+    """Whether ``x`` is gathered at its use: a per-use parameter, or computed from some."""
+    return isinstance(x, Derived) or (isinstance(x, Deferred) and x.per_use)
+
+
+def value_from(x: Any, full: dict[int, Any]) -> Any:
+    if isinstance(x, Deferred):
+        return full[id(x)]
+    return x.compute(full) if isinstance(x, Derived) else x
+
+
+def _bases(values: list[Any]) -> list[Deferred]:
+    """The per-use parameters ``values`` are computed from, each once, in order."""
+    out: dict[int, Deferred] = {}
+    for x in values:
+        for b in x.bases if isinstance(x, Derived) else [x] if is_lazy(x) else []:
+            out.setdefault(id(b), b)
+    return list(out.values())
+
+
+def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any], policy: Any) -> list[Any]:
+    """``eqn`` applied to ``values``, some of them lazy (:func:`is_lazy`).
+
+    Computed from lazy values and literals alone, its outputs are :class:`Derived`.
+    Otherwise ``eqn`` is a use: a :func:`jzero.remat_layer` with ``policy`` that gathers
+    the lazy values' parameters there (and again in backward); every other value is
+    ``read`` and passed to it.
+    """
+    static = [is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)]
+    if all(static):
+        return [Derived(eqn, values, k) for k in range(len(eqn.outputs))]
+    bases = _bases(values)
+    given = [i for i, s in enumerate(static) if not s]
+
+    def region(full_params: list, *args: Any) -> list:
+        full = {id(b): p for b, p in zip(bases, full_params)}
+        inputs = [value_from(x, full) for x in values]
+        for i, a in zip(given, args):
+            inputs[i] = a
+        return bind_in_context(eqn, inputs)
+
+    layer = remat_layer(region, policy=policy)
+    return layer([b.handle for b in bases], *(read(values[i]) for i in given))
