@@ -77,9 +77,6 @@ def _used_more_than_once(traced: Any, params: Any, args: tuple) -> frozenset[int
     return frozenset(k for k, n in counts[0].items() if n > 1)
 
 
-_KEEP = jax.checkpoint_policies.everything_saveable
-
-
 class _Gathering(Rules):
     """The rules of deferred gathering (see the module docstring) for jzero's interpreter:
     ``handles``' gathers (``jzero.gather``'s ``custom_vjp``, called on a handle's
@@ -133,12 +130,12 @@ class _Gathering(Rules):
         if (layer := self._indexed(eqn, values)) is not None:
             return [layer]
         if eqn.first_order and not self.counting and any(map(is_lazy, values)):
-            return use(eqn, values, self.read, _KEEP)
+            return use(eqn, values, self.read)
         return None
 
     def _deferred(self, handle: Sharded, parent: Deferred | None = None) -> Deferred:
-        if self.shared is None or (parent is not None and parent.key is None):
-            return Deferred(handle)
+        if self.shared is None:  # a loop body: a layer indexed from a stack (a fori_loop's
+            return Deferred(handle, per_use=parent is not None)  # w[i]) gathered at its use
         key = next(self._keys)
         return Deferred(handle, key=key, per_use=key not in self.shared)
 
@@ -148,8 +145,7 @@ class _Gathering(Rules):
         x, i = values[0], eqn.leading_index(values)
         if i is None or not isinstance(x, Deferred) or not x.indexable():
             return None
-        layer = x.index(i)
-        return self._deferred(layer.handle, parent=x)
+        return self._deferred(x.layer(i), parent=x)
 
     def _gathered(self, eqn: Equation, values: list[Any]) -> Sharded | None:
         """The handle whose gather ``eqn`` is (its first argument is the handle's sink)."""

@@ -48,6 +48,7 @@ class Deferred:
     def __init__(self, handle: Sharded, *, key: int | None = None, per_use: bool = False):
         self.handle, self.key, self.per_use = handle, key, per_use
         self._full = None
+        self._layers: list[Sharded] | None = None  # the stack's layers, split once
 
     def full(self) -> Any:
         """The parameter gathered (once: an inlined ``jit`` body has an environment of its
@@ -61,10 +62,19 @@ class Deferred:
         shards: the leaf is sharded along another axis."""
         return self.handle.layout.axis(self.handle.value) > 0
 
-    def index(self, i: Any, **kwargs: Any) -> Deferred:
-        """``x[i:i+1]`` of the parameter (leading axis), not gathered yet: its shard's."""
-        take = lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0)
-        return Deferred(jax.tree.map(take, self.handle), **kwargs)
+    def layer(self, i: Any) -> Sharded:
+        """The handle of ``x[i:i+1]`` (leading axis) of this parameter ``x``: its shards'.
+        A static ``i`` takes a piece of one ``lax.split`` of the whole stack (whose
+        transpose concatenates the layers' gradients), a traced one a ``dynamic_slice``."""
+        if not isinstance(i, int):
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0)
+            return jax.tree.map(take, self.handle)
+        if self._layers is None:
+            treedef = jax.tree.structure(self.handle)
+            split = lambda a: jax.lax.split(a, [1] * a.shape[0], axis=0)
+            pieces = zip(*(split(a) for a in jax.tree.leaves(self.handle)))
+            self._layers = [jax.tree.unflatten(treedef, p) for p in pieces]
+        return self._layers[i]
 
 
 class Derived:
@@ -109,13 +119,14 @@ def _bases(values: list[Any]) -> list[Deferred]:
     return list(out.values())
 
 
-def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any], policy: Any) -> list[Any]:
+def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any]) -> list[Any]:
     """``eqn`` applied to ``values``, some of them lazy (:func:`is_lazy`).
 
     Computed from lazy values and literals alone, its outputs are :class:`Derived`.
-    Otherwise ``eqn`` is a use: a :func:`jzero.remat_layer` with ``policy`` that gathers
-    the lazy values' parameters there (and again in backward); every other value is
-    ``read`` and passed to it.
+    Otherwise ``eqn`` is a use: a :func:`jzero.remat_layer` that gathers the lazy values'
+    parameters there and again in backward, keeping only its inputs (the gathered
+    parameters and what is derived from them are never saved; ``eqn``'s output is, by
+    the step's policy); every other value is ``read`` and passed to it.
     """
     static = [is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)]
     if all(static):
@@ -130,5 +141,5 @@ def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any], policy: An
             inputs[i] = a
         return bind_in_context(eqn, inputs)
 
-    layer = remat_layer(region, policy=policy)
+    layer = remat_layer(region)
     return layer([b.handle for b in bases], *(read(values[i]) for i in given))
