@@ -12,7 +12,13 @@ them all up front holds the whole model on every device. Instead the loss is tra
 - a ``jax.jit`` / ``closed_call`` is inlined and a ``jax.checkpoint`` (``nn.remat``) is
   re-applied with its own policy (plus "never save a gathered parameter"), so that
   parameters passed through them stay deferred down to their scans;
-- any other use gathers the whole parameter there, once.
+- a ``fori_loop`` body that only indexes a stacked parameter (``w[i]``) gathers each
+  layer at its use inside the step;
+- elsewhere (an unrolled model) a parameter used once is gathered *at its use*, in a
+  :func:`jzero.remat_layer` of that one equation, and again in backward
+  (:mod:`.deferred`); ``params['blocks'][i]`` of a stack takes the layer's shards first.
+  A parameter used more than once (a tied embedding) is gathered where first used, once,
+  and held; a dry run of the interpreter counts the uses.
 
 Every other equation is bound as traced, so the numerics are the user's own: only where
 and how often the all-gathers happen changes (docs/design.md §4). The loss's jaxpr is
