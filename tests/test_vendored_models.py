@@ -161,6 +161,20 @@ def test_layers_matches_single_device_optax(name, stage):
     assert_tree_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_stage3_without_layers_matches_single_device_optax(name):
+    # The default step: each weight gathered at its use (and again in backward).
+    ref = oracle(name)
+    state = make_state(name, 3)
+    step = state.train_step(case(name).loss_fn)
+    losses = []
+    for batch in make_batches(STEPS):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5, atol=1e-6)
+    assert_tree_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
+
+
 def compiled_whole_gather(name: str):
     """The stage-3 step that gathers the whole model once, up front (the baseline)."""
     state = make_state(name, 3)
