@@ -818,15 +818,30 @@ STAGES_1_TO_3 = (
             "all-gathers; use stage 3.",
         ),
         (
-            {"stage": 3, "zero_hpz_partition_size": 8},
-            "zero_optimization.zero_hpz_partition_size = 8: jzero has no secondary partition "
-            "(ZeRO++ hpZ)",
+            {"stage": 2, "zero_hpz_partition_size": 4},
+            "zero_optimization.zero_hpz_partition_size = 4: a secondary partition (ZeRO++ "
+            "hpZ) keeps stage 3's gathered parameters within groups of devices; use stage 3, "
+            "or a size of 1.",
         ),
     ],
 )
 def test_offload_and_zero_plus_plus_refusals_say_why(zero, error):
     with pytest.raises(ValueError, match=f"^DeepSpeed config: {re.escape(error)}"):
         load({"zero_optimization": zero})
+
+
+def test_zero_plus_plus_hpz_partition_size_maps_to_communication_hpz():
+    ds = load({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}})
+    assert ds.comm == jzero.Communication(hpz=4)
+    opt = ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
+    assert opt.comm.hpz == 4
+    # 1, DeepSpeed's default, is off
+    ds = load({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
+    assert ds.comm == jzero.Communication() and ds.comm.hpz is None
+    # a size that does not cut the data axis into groups is refused with the sizes that do
+    ds = load({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}})
+    with pytest.raises(ValueError, match=r"hpz=3\) needs groups .* use hpz=one of \[2, 4\]"):
+        ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
 
 
 def test_zero_plus_plus_quantized_weights_map_to_int8_gathers():

@@ -55,6 +55,7 @@ class Estimate:
     activation_bytes: float  # as given (see `transformer_activation_bytes`)
     buffer_bytes: float  # communication buffers, as given
     host_bytes: float = 0.0  # offloaded: optimizer state K·Ψ/N (+ param shards), else 0
+    secondary_bytes: float = 0.0  # stage 3 with hpZ: the secondary copies, Ψ·bytes/G_hpz
 
     @property
     def model_state_bytes(self) -> float:
@@ -63,7 +64,7 @@ class Estimate:
     @property
     def total_bytes(self) -> float:
         extra = self.gathered_layer_bytes + self.activation_bytes + self.buffer_bytes
-        return self.model_state_bytes + extra
+        return self.model_state_bytes + extra + self.secondary_bytes
 
     def to_dict(self) -> dict[str, float]:
         """All fields plus `model_state_bytes` and `total_bytes`, for JSON."""
@@ -187,6 +188,35 @@ def theory_comm_bytes_per_axis(
     return {"data": data, "replica": 2 * held * (replicas - 1) / replicas}
 
 
+ACROSS, WITHIN = "data(across)", "data(within)"
+"""hpZ's two parts of the 'data' axis: across its groups of G devices, and within one."""
+
+
+def theory_comm_bytes_hpz(
+    *, param_bytes_S: float, devices: int, group: int, replicas: int = 1
+) -> dict[str, float]:
+    """Bytes each device sends per stage-3 step with hpZ (``Communication(hpz=group)``), by
+    part of the mesh (ring model; :mod:`jzero.core.comm.hpz`).
+
+    ``devices`` is the data axis size N, cut into N/G groups of ``group`` = G devices.
+    Forward gathers the parameters across the groups into 1/G secondary copies,
+    ``S·(N/G−1)/N`` (:data:`ACROSS`), then each gather and backward's re-gather run within
+    the group, ``2·S·(G−1)/G`` (:data:`WITHIN`); the gradients are reduce-scattered over
+    the whole data axis, ``S·(N−1)/N`` (``'data'``); with ``replicas`` R > 1 the shards
+    are all-reduced across them, ``2·(S/N)·(R−1)/R`` (``'replica'``).
+    """
+    _check_ints(devices=devices, group=group, replicas=replicas)
+    _check_nonneg(param_bytes_S=param_bytes_S)
+    if devices % group:
+        raise ValueError(f"group={group} must divide devices={devices}.")
+    s, n = param_bytes_S, devices
+    out = {ACROSS: s * (n // group - 1) / n, WITHIN: 2 * s * (group - 1) / group}
+    out["data"] = s * (n - 1) / n
+    if replicas > 1:
+        out["replica"] = 2 * (s / n) * (replicas - 1) / replicas
+    return out
+
+
 def transformer_activation_bytes(
     *,
     batch: int,
@@ -241,6 +271,7 @@ def estimate(
     offload: Offload = None,
     offload_chunk: int = OFFLOAD_CHUNK,
     offload_params: bool = False,
+    hpz: int | None = None,
 ) -> Estimate:
     """Memory per device of one ZeRO stage.
 
@@ -276,6 +307,9 @@ def estimate(
         offload_chunk: ``jzero.Offload(chunk=...)``, elements per streamed chunk.
         offload_params: ``jzero.Offload(params=True)`` (stage 3): the parameter shards
             (Ψ/N) are in ``host_bytes`` instead of device memory.
+        hpz: stage 3 with ``Communication(hpz=G)``: forward keeps each parameter gathered
+            over groups of G devices for backward, ``secondary_bytes`` = Ψ·bytes/G (in
+            the param dtype, divided by M). G must divide the data group.
 
     Examples:
         >>> round(estimate(params=7.5e9, devices=64, stage=1).total_bytes / 1e9, 1)
@@ -301,7 +335,18 @@ def estimate(
     if offload_params:
         host, params_b = host + params_b, 0.0
     extra = (gathered, float(activation_bytes), float(buffer_bytes), host)
-    return Estimate(stage, params_b, grads_b, optimizer_b, *extra)
+    secondary = _secondary_bytes(hpz, stage, group, pb * params / model_parallel)
+    return Estimate(stage, params_b, grads_b, optimizer_b, *extra, secondary)
+
+
+def _secondary_bytes(hpz: int | None, stage: int, group: int, param_bytes: float) -> float:
+    """hpZ's secondary copies: 1/G of the parameters' bytes, kept from forward to backward."""
+    if hpz is None or stage != 3:
+        return 0.0
+    _check_ints(hpz=hpz)
+    if group % hpz:
+        raise ValueError(f"hpz={hpz} must divide the data group of {group} devices.")
+    return param_bytes / hpz
 
 
 def _check_offload(offload: Any, offload_params: Any, stage: int) -> str | None:

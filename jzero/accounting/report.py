@@ -23,7 +23,14 @@ from .._table import table
 from ..core.checks import check_live
 from ..core.plan import Plan
 from ..core.zero_state import ZeroState
-from .estimate import theory_comm_bytes, theory_comm_bytes_per_axis, theory_model_state_bytes
+from .estimate import (
+    ACROSS,
+    WITHIN,
+    theory_comm_bytes,
+    theory_comm_bytes_hpz,
+    theory_comm_bytes_per_axis,
+    theory_model_state_bytes,
+)
 from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, summary_table
 
 _MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
@@ -86,6 +93,13 @@ class Report:
         bytes_by_memory_kind: the live parameters, optimizer state and master weights
             per device by the memory kind they rest in (``'device'``; ``'pinned_host'``
             for an offloaded optimizer's state and master weights).
+        hpz: the step's secondary partition size G (``Communication.hpz``), or None. With
+            it, the traffic within the 'data' axis is split into ``'data(across)'`` (the
+            collectives among the devices at one position of every group of G) and
+            ``'data(within)'`` (among one group's devices); what spans the whole axis
+            stays ``'data'``. Theory: :func:`~jzero.accounting.estimate.theory_comm_bytes_hpz`.
+        secondary_bytes: with ``hpz``, the secondary copies forward keeps for backward in
+            theory, Ψ·bytes/G (part of ``peak_bytes``); else 0.
     """
 
     stage: int
@@ -105,6 +119,8 @@ class Report:
     comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     theory_comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_by_memory_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    hpz: int | None = None
+    secondary_bytes: float = 0.0
 
     @property
     def model_state_bytes(self) -> int:
@@ -167,17 +183,21 @@ class Report:
         rows += [
             row("model states", states, theory_states, ratio(self.model_state_ratio)),
             row("peak (compiled)", self.peak_bytes),
+            *([row("  hpZ secondary (theory)", self.secondary_bytes)] if self.hpz else []),
             row("comm / step (ring)", comm, self.theory_comm_bytes, ratio(self.comm_ratio)),
         ]
         rows += [row(f"  {k}", v) for k, v in self.comm_bytes.items() if k != "total"]
         devices = f"{self.devices} device" + ("s" if self.devices != 1 else "")
-        if "replica" in self.theory_comm_bytes_by_axis:  # hybrid: traffic per mesh axis
+        if len(self.theory_comm_bytes_by_axis) > 1:  # hybrid or hpZ: traffic per mesh axis
             theory, ratios = self.theory_comm_bytes_by_axis, self.comm_ratio_by_axis
             for axis in dict.fromkeys([*theory, *self.comm_bytes_by_axis]):
                 measured = self.comm_bytes_by_axis.get(axis, 0.0)
                 r = ratio(ratios[axis]) if axis in theory else ""
                 rows.append(row(f"  over {axis}", measured, theory.get(axis), r))
+        if self.replicas > 1:
             devices = f"{self.replicas} x {self.devices} devices (replica x data)"
+        if self.hpz:
+            devices += f", hpZ groups of {self.hpz}"
         head = f"jzero stage {self.stage} on {devices}, {self.num_params:,} params"
         lines = [head, table(rows, right={1, 2, 3}), "", summary_table(list(self.collectives))]
         lines += [f"note: {n}" for n in (*self.notes, *self._ratio_notes())]
@@ -243,8 +263,8 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     compiled = train_step.lower(state, batch).compile()
     peak, memory = _memory(compiled)
     colls = tuple(collectives(compiled.as_text()))
-    # Device i of the compiled program is the mesh's i-th device (jit over its shardings).
-    by_axis = comm_bytes_by_axis(list(colls), dict(plan.mesh.shape))
+    hpz = getattr(getattr(train_step, "comm", None), "hpz", None)
+    by_axis = _bytes_by_axis(list(colls), dict(plan.mesh.shape), hpz)
 
     itemsizes = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params)]
     num_params = sum(math.prod(lay.shape) for lay in plan.layouts)
@@ -268,6 +288,10 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     if plan.hybrid:
         theory_comm = theory_comm_bytes_per_axis(
             stage=plan.stage, param_bytes_S=param_total, devices=n, replicas=plan.replica_size
+        )
+    if hpz:
+        theory_comm = theory_comm_bytes_hpz(
+            param_bytes_S=param_total, devices=n, group=hpz, replicas=plan.replica_size
         )
     on_cpu = any(d.platform == "cpu" for d in jax.tree.leaves(state.params)[0].devices())
     notes = (CPU_NOTE,) if on_cpu and min(itemsizes, default=4) < 4 else ()
@@ -293,4 +317,23 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         comm_bytes_by_axis=by_axis,
         theory_comm_bytes_by_axis=theory_comm,
         bytes_by_memory_kind=_bytes_by_memory_kind((state.params, state.opt_state, state.master)),
+        hpz=hpz,
+        secondary_bytes=param_total / hpz if hpz else 0.0,
     )
+
+
+def _bytes_by_axis(colls: list[Collective], mesh_shape: dict[str, int], hpz: int | None):
+    """:func:`comm_bytes_by_axis` over the mesh (device i of the compiled program is the
+    mesh's i-th device), its 'data' axis seen as (across, within) hpZ's groups of ``hpz``:
+    consecutive data indices form a group, so this is a row-major split of the axis."""
+    if not hpz:
+        return comm_bytes_by_axis(colls, mesh_shape)
+    split = {}
+    for name, size in mesh_shape.items():
+        split |= {ACROSS: size // hpz, WITHIN: hpz} if name == "data" else {name: size}
+    whole = f"{ACROSS}+{WITHIN}"
+    out = {}
+    for key, b in comm_bytes_by_axis(colls, split).items():
+        key = key.replace(whole, "data")
+        out[key] = out.get(key, 0.0) + b
+    return out

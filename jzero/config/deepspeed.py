@@ -90,7 +90,9 @@ class DeepSpeedOptions:
         precision: from ``fp16`` / ``bf16`` / ``communication_data_type``.
         comm: a :class:`jzero.Communication` with ``gather_quant="int8"`` for
             ``zero_quantized_weights`` and ``grad_quant="int8"`` for
-            ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
+            ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ), and ``hpz`` for
+            ``zero_hpz_partition_size`` above 1 (ZeRO++ hpZ; the size must divide the mesh's
+            data axis, checked by :meth:`optimizer`).
         offload: the :class:`jzero.Offload` for ``offload_optimizer`` ``{"device": "cpu"}``
             (or ``cpu_offload``): ``Offload(optimizer="host")``, the optimizer state and
             fp32 master weights rest in pinned host memory and are updated there, as
@@ -222,7 +224,10 @@ def from_deepspeed_config(
         stage=zero.stage,
         # ZeRO++ qwZ and qgZ: int8 all-gathers and gradient reduce-scatters, blockwise scales.
         precision=precision,
-        comm=Communication(gather_quant=zero.gather_quant, grad_quant=zero.grad_quant),
+        # and hpZ's secondary partition: zero_hpz_partition_size
+        comm=Communication(
+            gather_quant=zero.gather_quant, grad_quant=zero.grad_quant, hpz=zero.hpz
+        ),
         offload=zero.offload,
         tx=tx,
         learning_rate=learning_rate,

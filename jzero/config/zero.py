@@ -1,8 +1,9 @@
 """DeepSpeed's ``"zero_optimization"``: the stage, the stage-3 persistence threshold as
 ``min_shard_size``, optimizer offload to the CPU as ``offload="optimizer"``, ZeRO++ quantized
 weights and gradients as ``Communication(gather_quant="int8")`` and
-``Communication(grad_quant="int8")``; offloading to NVMe or offloading parameters, and hpZ,
-refused; the performance knobs jzero has no use for warned.
+``Communication(grad_quant="int8")``, ZeRO++'s hpZ (``zero_hpz_partition_size``) as
+``Communication(hpz=...)``; offloading to NVMe or offloading parameters refused; the
+performance knobs jzero has no use for warned.
 
 ``offload_optimizer`` with ``"device": "cpu"`` (or DeepSpeed's older ``"cpu_offload": true``)
 is ``jzero.Offload(optimizer="host")``: the sharded optimizer state and fp32 master weights
@@ -44,10 +45,6 @@ BUCKETS = (
 GATHERS = (
     "stage 3 gathers per layer by itself (in scans; jax.checkpoint'ed layers); for one "
     "layer of prefetch pass comm=Communication(prefetch=True)"
-)
-HPZ = (
-    "jzero has no secondary partition (ZeRO++ hpZ); for sharding within groups of devices "
-    "use a hybrid mesh, jzero.hybrid_mesh(replicas) (HSDP)."
 )
 DEVICES = one_of("none", "cpu", "nvme")
 NOTHING_OFFLOADED = no_effect('nothing is offloaded ("device": "none")')
@@ -106,7 +103,7 @@ ZERO = {
     ),
     "zero_quantized_weights": Key(boolean, False),  # -> Communication(gather_quant="int8")
     "zero_quantized_gradients": Key(boolean, False),  # -> Communication(grad_quant="int8")
-    "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
+    "zero_hpz_partition_size": Key(positive, 1),  # > 1 -> Communication(hpz=...)
     "sub_group_size": Key(positive),  # noted: the host step has no chunks
     "round_robin_gradients": no_effect(
         "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; in "
@@ -125,6 +122,7 @@ class Zero(NamedTuple):
     offload: Offload | None  # offload_optimizer "cpu" / cpu_offload: the step on the host
     gather_quant: Literal["int8"] | None  # zero_quantized_weights: "int8"
     grad_quant: Literal["int8"] | None  # zero_quantized_gradients: "int8"
+    hpz: int | None  # zero_hpz_partition_size when above 1 (ZeRO++ hpZ); else None
 
 
 def read_zero(top: Section) -> Zero:
@@ -142,7 +140,14 @@ def read_zero(top: Section) -> Zero:
             "it quantizes the gradient reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 "
             "all-reduces whole gradients; use stage 1, 2 or 3.",
         )
-    return Zero(stage, _min_shard_size(zero), offload, gather_quant, grad_quant)
+    hpz = zero["zero_hpz_partition_size"] if zero["zero_hpz_partition_size"] > 1 else None
+    if hpz and stage != 3:
+        zero.refuse(
+            "zero_hpz_partition_size",
+            "a secondary partition (ZeRO++ hpZ) keeps stage 3's gathered parameters within "
+            "groups of devices; use stage 3, or a size of 1.",
+        )
+    return Zero(stage, _min_shard_size(zero), offload, gather_quant, grad_quant, hpz)
 
 
 def _note_sub_group_size(zero: Section, offloaded: bool) -> None:

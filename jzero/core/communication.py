@@ -50,6 +50,16 @@ class Communication:
             i-1's in the step of layer i (FSDP2's forward/backward prefetch, for XLA's
             latency-hiding scheduler on GPU; :mod:`jzero.core.gather.prefetch`). Two
             layers are gathered at a time instead of one. Same values as without.
+        hpz: ZeRO++'s hpZ (FSDP2's ``reshard_after_forward=G``), a secondary partition
+            size G: after forward each stage-3 parameter stays gathered over groups of G
+            consecutive data-axis devices (a node), so backward's all-gather stays inside
+            the group. Each gather becomes an all-gather across the N/G groups (forward
+            only; the quantized one with ``gather_quant``) and one within the group
+            (forward and backward): across the groups a step gathers the parameters once
+            instead of twice, for ``+Psi * bytes / G`` memory per device (the secondary
+            copies kept from forward to backward; :mod:`jzero.core.comm.hpz`). An int,
+            ``1 < G < N`` dividing the data axis size N; stage 3 only. Same values as
+            without. None: off.
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=3,
@@ -61,6 +71,7 @@ class Communication:
     quant_block: int = 256
     bucket: bool = False
     prefetch: bool = False
+    hpz: int | None = None
 
     def __post_init__(self):
         quant = self.gather_quant  # a str: a dtype such as np.dtype('int8') equals 'int8'
@@ -81,6 +92,18 @@ class Communication:
                 raise TypeError(
                     f"Communication.{name} must be True or False, got {getattr(self, name)!r}."
                 )
+
+        if self.hpz is not None and (
+            isinstance(self.hpz, bool) or not isinstance(self.hpz, int | np.integer) or self.hpz < 2
+        ):
+            raise ValueError(
+                f"Communication.hpz must be None or an int >= 2 (the secondary partition "
+                f"size: devices per group, e.g. one node's), got {self.hpz!r}; e.g. "
+                "Communication(hpz=8) for 8 devices per node, or hpz=None to gather over "
+                "the whole data axis."
+            )
+        if self.hpz is not None:
+            object.__setattr__(self, "hpz", int(self.hpz))
 
     @property
     def gather_quantizer(self) -> Quant | None:
@@ -113,6 +136,31 @@ class Communication:
                 f"early, but stage {stage} gathers no parameters; use stage=3, or leave "
                 "prefetch=False."
             )
+        if self.hpz is not None and stage != 3:
+            raise ValueError(
+                f"Communication(hpz={self.hpz}) keeps stage 3's gathered parameters over "
+                f"groups of {self.hpz} devices between forward and backward, but stage "
+                f"{stage} gathers no parameters; use stage=3, or leave hpz=None."
+            )
+        if self.hpz is not None and self.prefetch:
+            raise ValueError(
+                f"Communication(hpz={self.hpz}, prefetch=True): prefetching scans do not "
+                "keep hpZ's secondary copies yet; use one of them (hpz=None or "
+                "prefetch=False)."
+            )
+
+    def check_data_size(self, n: int) -> None:
+        """Raises where ``hpz`` does not cut a data axis of ``n`` devices into groups
+        (checked when the optimizer is built)."""
+        if self.hpz is None or (n % self.hpz == 0 and self.hpz < n):
+            return
+        divisors = [g for g in range(2, n) if n % g == 0]
+        fix = f"one of {divisors}" if divisors else "None (no group size fits)"
+        raise ValueError(
+            f"Communication(hpz={self.hpz}) needs groups of {self.hpz} devices that divide "
+            f"the data axis of {n} into more than one group; use hpz={fix}, e.g. the "
+            "devices of one node."
+        )
 
 
 def _check_block(block: object, grad_quant: str | None) -> int:

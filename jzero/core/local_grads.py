@@ -161,6 +161,7 @@ def _differentiated(plan: Plan, params, precision: Precision, comm: Communicatio
         bucket=comm.bucket,
         quant=comm.gather_quantizer,
         grad_quant=comm.grad_quantizer,
+        hpz=comm.hpz,
     )
     wrap = lambda d: [
         handle(s, x, lay) if lay.sharded else s for s, x, lay in zip(d, leaves, plan.layouts)

@@ -125,6 +125,7 @@ class ZeroOptimizer:
         self.rules = None if rules is None else check_rules(rules, mesh)
         self.precision = check_precision(Precision() if precision is None else precision)
         self.comm = check_communication(comm, stage)
+        self.comm.check_data_size(self.data_size)
         self.offload = as_offload(offload, moved)
         self.offload.check(mesh=mesh, stage=stage)
 

@@ -51,11 +51,14 @@ class TrainStep:
     is not split over the mesh's batch axes (:mod:`.batch_sharding`).
 
     ``lower(state, batch)`` gives the jitted program's lowering (for
-    :func:`jzero.report` and ``.compile().memory_analysis()``).
+    :func:`jzero.report` and ``.compile().memory_analysis()``); ``comm`` the
+    :class:`.Communication` its collectives follow (the report reads hpZ's groups from it).
     """
 
-    def __init__(self, jitted: Any, donate: bool, *, mesh: Mesh, agreement: Agreement):
-        self._jitted, self._donate = jitted, donate
+    def __init__(
+        self, jitted: Any, donate: bool, *, mesh: Mesh, agreement: Agreement, comm: Communication
+    ):
+        self._jitted, self._donate, self.comm = jitted, donate, comm
         self._mesh, self._agreement = mesh, agreement
         self._counts = CountWatch()  # raises for an earlier step's invalid Weighted count
 
@@ -126,7 +129,7 @@ def make_train_step(
     given = {"options": options, "comm": comm, "offload": offload}
     agreement = Agreement(stage=stage, mesh=mesh, precision=precision, options=given)
     jitted = jax.jit(_on_mesh(step, mesh), donate_argnums=0 if options.donate else ())
-    return TrainStep(jitted, options.donate, mesh=mesh, agreement=agreement)
+    return TrainStep(jitted, options.donate, mesh=mesh, agreement=agreement, comm=comm)
 
 
 def _sharded(body: Callable, state: ZeroState, scale: jax.Array, batch: Any, aliases) -> tuple:

@@ -41,15 +41,29 @@ def all_gather_flat(
     ``rows_of``: this device's flat vector -> every device's ``[N, total]``, in place of
     the plain all-gather (:mod:`.quantize` sends it quantized).
     """
-    axes = [lay.axis(x) for x, lay in zip(shards, layouts)]
-    moved = [_front(x, a) for x, a in zip(shards, axes)]
-    flat = jnp.concatenate([m.reshape(-1) for m in moved])
     gather_rows = rows_of or (lambda v: jax.lax.all_gather(v, DATA, axis=0, tiled=False))
-    rows = gather_rows(flat)  # [N, total]
+    rows = gather_rows(flat_shards(shards, layouts))  # [N, total]
+    return leaves_of_rows(rows, [x.shape for x in shards], layouts)
+
+
+def flat_shards(shards: Sequence[jax.Array], layouts: Sequence[LeafLayout]) -> jax.Array:
+    """Local shards (one dtype) -> this device's flat vector: each shard's shard dimension
+    moved to the front, flattened, concatenated."""
+    moved = [_front(x, lay.axis(x)) for x, lay in zip(shards, layouts)]
+    return jnp.concatenate([m.reshape(-1) for m in moved])
+
+
+def leaves_of_rows(
+    rows: jax.Array, shapes: Sequence[tuple[int, ...]], layouts: Sequence[LeafLayout]
+) -> list:
+    """Every device's flat vector, ``[N, total]`` (:func:`flat_shards` of shards of
+    ``shapes``) -> the full leaves of the true shapes, padding trimmed."""
     n, out, start = rows.shape[0], [], 0
-    for m, a, lay in zip(moved, axes, layouts):
-        size = math.prod(m.shape)
-        part = rows[:, start : start + size].reshape(n * m.shape[0], *m.shape[1:])
+    for shape, lay in zip(shapes, layouts):
+        a = len(shape) - len(lay.shape) + lay.dim  # as lay.axis
+        moved = (shape[a], *shape[:a], *shape[a + 1 :])
+        size = math.prod(moved)
+        part = rows[:, start : start + size].reshape(n * moved[0], *moved[1:])
         start += size
         full = jnp.moveaxis(part, 0, a)
         if lay.pad:  # a negative lax.pad, as all_gather trims it (regather_policy spots it)

@@ -7,7 +7,8 @@ full parameter, with the backward pass reduce-scattering its gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -23,7 +24,8 @@ from ...internal.primitives import (
 )
 from ..leaf_layout import LeafLayout, pad
 from ..mesh import DATA
-from .buckets import all_gather_flat, reduce_scatter_flat
+from .buckets import all_gather_flat, flat_shards, leaves_of_rows, reduce_scatter_flat
+from .hpz import SECONDARY, gather_group, gather_secondary
 from .quantize import Quant, quantized_all_gather, quantized_reduce_scatter
 
 GATHERED = "jzero_gathered"
@@ -61,10 +63,13 @@ def saves_no_gathered(policy: Callable[..., Any]) -> Callable[..., Any]:
     redoes it from whatever its input is). Everything else gets ``policy``'s own answer,
     passed through unchanged: a bool, or an offloading policy's ``Offloadable`` (e.g.
     ``jax.checkpoint_policies.save_and_offload_only_these_names``: the value is kept in
-    host memory until backward).
+    host memory until backward). An hpZ secondary copy (:mod:`.hpz`) is always saved:
+    keeping it is what hpZ trades memory for.
     """
 
     def combined(prim: Any, *args: Any, **params: Any) -> Any:
+        if checkpoint_name_of(prim, params) == SECONDARY:
+            return True
         if _gathers_inside(prim, params):
             return False
         if prim is jax.lax.reduce_precision_p:
@@ -193,6 +198,53 @@ def _use_bucket_bwd(layouts, gathers, reduce_dtype, quant, grad_quant, _, cts):
 _use_bucket.defvjp(_use_bucket_fwd, _use_bucket_bwd)
 
 
+def secondary_copy(values: Sequence[jax.Array], layouts: Any, group: int, quant: Quant | None):
+    """hpZ's first gather (:mod:`.hpz`): local shards (one dtype) -> their secondary copy,
+    ``[K, total]``, named so that every remat policy of jzero's saves it."""
+    flat = flat_shards(values, layouts)
+    sizes = [math.prod(x.shape) for x in values]
+    rows = gather_secondary(flat, group=group, sizes=sizes, quant=quant)
+    return checkpoint_name(rows, SECONDARY)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _use_group(sinks, secondary, shapes: tuple, layouts: tuple, group: int, how: tuple) -> list:
+    """hpZ's second gather: the group's secondary copies -> full leaves of ``shapes``'
+    layouts (exact); backward reduce-scatters the cotangents over the whole data axis, as
+    :func:`_use` (``how``: reduce dtype, gradient quantizer, bucketed)."""
+    del sinks, how
+    rows = gather_group(secondary, group=group)
+    return [checkpoint_name(x, GATHERED) for x in leaves_of_rows(rows, shapes, layouts)]
+
+
+def _use_group_fwd(sinks, secondary, shapes, layouts, group, how):
+    return _use_group(sinks, secondary, shapes, layouts, group, how), None
+
+
+def _use_group_bwd(shapes, layouts, group, how, _, cts):
+    reduce_dtype, grad_quant, bucket = how
+    cts = [ct.astype(reduce_dtype) for ct in cts]
+    if bucket:
+        return scatter_flat(cts, layouts, grad_quant), None
+    return [reduce_scatter(ct, lay, grad_quant) for ct, lay in zip(cts, layouts)], None
+
+
+_use_group.defvjp(_use_group_fwd, _use_group_bwd)
+
+
+def _hpz_gather(handles: Sequence[Sharded], *, bucket: bool) -> list:
+    """hpZ handles (one value dtype and reduce dtype) gathered in two steps (:mod:`.hpz`),
+    their secondary copy made here unless the handle carries it (one handle)."""
+    values, layouts = [h.value for h in handles], tuple(h.layout for h in handles)
+    first = handles[0]
+    secondary = first.secondary
+    if secondary is None:
+        secondary = secondary_copy(values, layouts, first.hpz, first.quant)
+    how = (first.sink.dtype, first.grad_quant, bucket)
+    shapes = tuple(tuple(x.shape) for x in values)
+    return _use_group([h.sink for h in handles], secondary, shapes, layouts, first.hpz, how)
+
+
 @jax.tree_util.register_pytree_node_class
 class Sharded:
     """A sharded parameter as the loss function sees it in stages 2 and 3.
@@ -212,6 +264,10 @@ class Sharded:
             from ``Precision.gather_quant``), or None; static.
         grad_quant: how the backward reduce-scatter is quantized (from
             ``Precision.grad_quant``), or None; static.
+        hpz: with ``gathers``, hpZ's group size G (:mod:`.hpz`: gathered across the groups
+            into a secondary copy, then within the group), or None; static.
+        secondary: with ``hpz``, this leaf's secondary copy if already gathered (e.g. kept
+            for backward by :func:`jzero.remat_layer`), else None.
     """
 
     def __init__(
@@ -224,28 +280,45 @@ class Sharded:
         bucket: bool = False,
         quant: Quant | None = None,
         grad_quant: Quant | None = None,
+        hpz: int | None = None,
+        secondary=None,
     ):
         self.sink, self.value, self.layout = sink, value, layout
         self.gathers, self.bucket = gathers, bucket
         self.quant, self.grad_quant = quant, grad_quant
+        self.hpz, self.secondary = (hpz if gathers else None), secondary
 
     def tree_flatten(self):
-        aux = (self.layout, self.gathers, self.bucket, self.quant, self.grad_quant)
-        return (self.sink, self.value), aux
+        aux = (self.layout, self.gathers, self.bucket, self.quant, self.grad_quant, self.hpz)
+        return (self.sink, self.value, self.secondary), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        layout, gathers, bucket, quant, grad_quant = aux
+        layout, gathers, bucket, quant, grad_quant, hpz = aux
+        sink, value, secondary = children
         return cls(
-            *children, layout, gathers=gathers, bucket=bucket, quant=quant, grad_quant=grad_quant
-        )
+            sink, value, layout, gathers=gathers, bucket=bucket, quant=quant,
+            grad_quant=grad_quant, hpz=hpz, secondary=secondary,
+        )  # fmt: skip
 
     def gather(self) -> jax.Array:
-        """This leaf alone: one all-gather (stage 3), one reduce-scatter in backward."""
+        """This leaf alone: one all-gather (stage 3; hpZ: two), one reduce-scatter in
+        backward."""
+        if self.hpz is not None:
+            return _hpz_gather([self], bucket=False)[0]
         return _use(
             self.sink, self.value, self.layout, self.gathers, self.sink.dtype, self.quant,
             self.grad_quant,
         )  # fmt: skip
+
+    def with_secondary(self) -> Sharded:
+        """This handle carrying its secondary copy (hpZ's first gather done now); itself
+        without hpZ."""
+        if self.hpz is None or self.secondary is not None:
+            return self
+        secondary = secondary_copy([self.value], (self.layout,), self.hpz, self.quant)
+        _, aux = self.tree_flatten()
+        return Sharded.tree_unflatten(aux, (self.sink, self.value, secondary))
 
     def __repr__(self) -> str:
         quant = f", quant={self.quant}" if self.quant is not None else ""
@@ -259,6 +332,28 @@ def _is_sharded(x: Any) -> bool:
     return isinstance(x, Sharded)
 
 
+def with_secondaries(tree: Any) -> Any:
+    """``tree`` with each hpZ handle carrying its secondary copy (:meth:`Sharded.with_secondary`):
+    what a rematerialised layer keeps for backward, which then gathers within groups only."""
+    one = lambda x: x.with_secondary() if _is_sharded(x) else x
+    return jax.tree.map(one, tree, is_leaf=_is_sharded)
+
+
+def without_secondaries(tree: Any) -> Any:
+    """``tree`` (e.g. :func:`with_secondaries`'s cotangents) with the secondary copies
+    dropped: the structure of the handles as the step made them."""
+    one = lambda x: Sharded.tree_unflatten(x.tree_flatten()[1], (x.sink, x.value, None))
+    return jax.tree.map(lambda x: one(x) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
+
+
+def _hpz_bucket(handles: list[Sharded]) -> list:
+    """A bucket of hpZ handles: one flat secondary copy and one flat group gather, or, where
+    they carry secondary copies of their own (:meth:`Sharded.with_secondary`), one by one."""
+    if any(h.secondary is not None for h in handles):
+        return [h.gather() for h in handles]
+    return _hpz_gather(handles, bucket=True)
+
+
 def _gather_leaves(leaves: list) -> list:
     """Each handle gathered: alone, or with the other bucketed handles of its kind."""
     out = [x.gather() if _is_sharded(x) and not x.bucket else x for x in leaves]
@@ -266,9 +361,13 @@ def _gather_leaves(leaves: list) -> list:
     for i, x in enumerate(leaves):
         if _is_sharded(x) and x.bucket:
             dtypes = (jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype))
-            groups.setdefault((x.gathers, *dtypes, x.quant, x.grad_quant), []).append(i)
-    for (gathers, _, reduce_dtype, quant, grad_quant), idx in groups.items():
+            groups.setdefault((x.gathers, *dtypes, x.quant, x.grad_quant, x.hpz), []).append(i)
+    for (gathers, _, reduce_dtype, quant, grad_quant, hpz), idx in groups.items():
         hs = [leaves[i] for i in idx]
+        if hpz is not None:
+            for i, x in zip(idx, _hpz_bucket(hs)):
+                out[i] = x
+            continue
         full = _use_bucket(
             [h.sink for h in hs], [h.value for h in hs], tuple(h.layout for h in hs),
             gathers, reduce_dtype, quant, grad_quant,

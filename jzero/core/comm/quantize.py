@@ -68,6 +68,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Literal
 
 import jax
@@ -191,8 +192,16 @@ def _from_wire(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return w if w.dtype == dtype else jax.lax.bitcast_convert_type(w, dtype)
 
 
-def _quantized_rows(flat: jax.Array, *, sizes: Sequence[int], quant: Quant) -> jax.Array:
-    """This device's flat vector -> every device's, ``[N, total]``, sent quantized.
+def quantized_rows(
+    flat: jax.Array,
+    *,
+    sizes: Sequence[int],
+    quant: Quant,
+    groups: Sequence[Sequence[int]] | None = None,
+) -> jax.Array:
+    """This device's flat vector -> every device's, ``[N, total]``, sent quantized
+    (``groups``: the devices of this one's group only, ``[group size, total]``, as
+    ``lax.all_gather``'s ``axis_index_groups``).
 
     Each leaf's segment (``sizes``) has blocks of its own, so a bucket's values are those
     of its leaves gathered one by one.
@@ -201,9 +210,9 @@ def _quantized_rows(flat: jax.Array, *, sizes: Sequence[int], quant: Quant) -> j
     parts = [quantize(seg, block=quant.block, dtype=quant.dtype) for seg in jnp.split(flat, bounds)]
     q = jnp.concatenate([p.reshape(-1) for p, _ in parts])
     scales = jnp.concatenate([scale for _, scale in parts])
-    q_all = jax.lax.all_gather(_to_wire(q), DATA, axis=0, tiled=False)  # [N, blocks x size] s8/u8
-    q_all = _from_wire(q_all, q.dtype)
-    scales_all = jax.lax.all_gather(scales, DATA, axis=0, tiled=False)  # [N, blocks] f32
+    gather = partial(jax.lax.all_gather, axis_name=DATA, axis=0, axis_index_groups=groups)
+    q_all = _from_wire(gather(_to_wire(q)), q.dtype)  # [N, blocks x size] s8/u8
+    scales_all = gather(scales)  # [N, blocks] f32
     rows, q_at, s_at = [], 0, 0
     for (p, _), size in zip(parts, sizes):
         count, per = p.shape
@@ -225,7 +234,7 @@ def quantized_all_gather(
     (or fp8 blocks, as bytes) and their fp32 scales: two all-gathers.
     """
     sizes = [math.prod(x.shape) for x in shards]
-    rows = lambda flat: _quantized_rows(flat, sizes=sizes, quant=quant)
+    rows = lambda flat: quantized_rows(flat, sizes=sizes, quant=quant)
     return all_gather_flat(shards, layouts, rows_of=rows)
 
 

@@ -21,7 +21,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..comm.collectives import GATHERED, Sharded, after, gather, saves_no_gathered
+from ..comm.collectives import (
+    GATHERED,
+    Sharded,
+    after,
+    gather,
+    saves_no_gathered,
+    with_secondaries,
+    without_secondaries,
+)
 
 
 def _gathers(params: Any) -> bool:
@@ -49,7 +57,8 @@ def remat_layer(
     parameters are alive at a time. What else backward recomputes is ``policy``'s choice:
 
     - ``policy=None`` (default): forward keeps only the layer's inputs and parameter
-      shards; backward re-gathers and recomputes the whole layer.
+      shards (with hpZ, ``Communication(hpz=G)``, also their secondary copies); backward
+      re-gathers (hpZ: within the group) and recomputes the whole layer.
     - a ``jax.checkpoint_policies`` policy: forward also keeps the activations the policy
       saves, but never a gathered parameter (``regather_policy`` is applied on top), so
       backward re-gathers and recomputes only what the policy did not save. With
@@ -95,12 +104,14 @@ def remat_layer(
     if policy is None:
 
         def layer_fwd(params, *args):
-            return layer(params, *args), (params, args)  # residuals: shards and inputs only
+            kept = with_secondaries(after(params, args))  # hpZ: secondary copies, kept
+            return plain(kept, *args), (kept, args)  # residuals: shards and inputs only
 
         def layer_bwd(residuals, ct):
-            params, args = residuals
-            _, vjp = jax.vjp(plain, after(params, ct), *args)  # gathers again, then VJP
-            return vjp(ct)
+            kept, args = residuals
+            _, vjp = jax.vjp(plain, after(kept, ct), *args)  # gathers again, then VJP
+            d_params, *d_args = vjp(ct)
+            return without_secondaries(d_params), *d_args
 
     else:
         # The tie is inside the checkpoint and unsaveable, so the residuals hold the
