@@ -129,6 +129,7 @@ def _comm(**fields: Any) -> dict[str, jzero.Communication]:
 
 
 MANUAL = {"manual_gather": True}
+HPZ_GROUP = 4  # zero3_hpz: backward's all-gathers within groups of 4 of the 8 devices
 AUTO = {"manual_gather": False}
 RUNS = (
     Run("dp", 0, MANUAL),
@@ -139,13 +140,16 @@ RUNS = (
     Run("zero3_auto", 3, AUTO),
     Run("zero3_prefetch", 3, AUTO, _comm(prefetch=True)),
     Run("zero3_int8", 3, MANUAL, _comm(gather_quant="int8")),
+    Run("zero3_fp8", 3, MANUAL, _comm(gather_quant="fp8")),
+    Run("zero3_hpz", 3, AUTO, _comm(hpz=HPZ_GROUP)),
     Run("zero3_qgz", 3, MANUAL, _comm(grad_quant="int8")),
     Run("zero3_offload", 3, MANUAL, {"offload": "optimizer"}),
     Run("auto_fsdp", 3, None),
 )
 # checked against zero3 (the rest against dp)
 ZERO3_VARIANTS = (
-    "zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_qgz", "zero3_offload",
+    "zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_fp8", "zero3_hpz",
+    "zero3_qgz", "zero3_offload",
 )  # fmt: skip
 # Final loss vs its base run, relative: fp32 rounding of a few-step run summed in another
 # order (default); int8 gathers change the forward's weights, so only close; int8 gradient
@@ -153,12 +157,15 @@ ZERO3_VARIANTS = (
 # on the full run, 1.1e-5 to 2.0e-4 on --quick (4 seeds) and 3.4e-5 to 1.8e-4 on
 # tests/test_bench.py's one-layer model (3 seeds), so 1e-3, 5x the largest; an offloaded
 # update runs the same equations, so bitwise.
-LOSS_TOL = {"zero3_int8": 0.05, "zero3_qgz": 1e-3, "zero3_offload": 0.0}
+LOSS_TOL = {"zero3_int8": 0.05, "zero3_fp8": 0.05, "zero3_qgz": 1e-3, "zero3_offload": 0.0}
 LOSS_TOL_DEFAULT = 1e-5
 # zero3_int8 / zero3 all-gather bytes: theory 0.25 x (1 + 4 / quant_block) = 0.254, an int8
 # byte per fp32 element and a 4-byte scale per block (more where short segments pad blocks)
 INT8_GATHER = 0.3
 QGZ_COMM = 0.3  # zero3_qgz all-to-all bytes / zero3 reduce-scatter bytes: the same theory
+# zero3_hpz: all-gather bytes among the groups (forward only) / the parameters' bytes:
+# theory (N - G) / (N G) (padding adds a little), against 2 (N - 1) / N of zero3's gathers
+HPZ_ACROSS_MARGIN = 1.05
 COMM_KEYS = ("all-reduce", "reduce-scatter", "all-gather", "other", "total")
 
 
@@ -319,6 +326,17 @@ def json_options(step_options: dict[str, Any], opt_options: dict[str, Any]) -> d
     return out
 
 
+def _bytes_by_group(colls: list[Collective], kind: str) -> dict[str, float]:
+    """Ring-model bytes per step of one kind of collective by replica-group size (hpZ: the
+    groups' size within, the number of groups across)."""
+    out: dict[str, float] = {}
+    for c in colls:
+        if c.kind == kind:
+            key = str(c.group_size)
+            out[key] = out.get(key, 0.0) + c.ring_bytes * c.trip_count
+    return out
+
+
 def _bytes_by_dtype(colls: list[Collective], kind: str) -> dict[str, float]:
     """Ring-model bytes per step of one kind of collective by HLO element type (``s8``,
     ``u8``: quantized; ``f32`` beside them: their scales)."""
@@ -342,6 +360,7 @@ def _run_fields(run: Run, losses, times, **fields) -> dict[str, Any]:
         "comm_bytes_per_device": comm,
         "all_gather_bytes_by_dtype": _bytes_by_dtype(fields["collectives"], "all-gather"),
         "all_to_all_bytes_by_dtype": _bytes_by_dtype(fields["collectives"], "all-to-all"),
+        "all_gather_bytes_by_group_size": _bytes_by_group(fields["collectives"], "all-gather"),
         "theory_comm_bytes_per_device": float(fields["theory_comm"]),
         "collectives_per_step": _count(fields["collectives"]),
         "step_ms_median": float(statistics.median(times)),
@@ -710,17 +729,35 @@ def _bucket_checks(runs: dict[str, Any], *, layers: int) -> list[tuple[str, bool
     return found
 
 
-def _quant_offload_checks(runs: dict[str, Any]) -> list[tuple[str, bool, str]]:
+def _hpz_check(run: dict[str, Any], n: int, param_bytes: float) -> tuple[str, bool, str]:
+    """zero3_hpz's all-gather bytes among its groups against theory (N - G) / (N G) of the
+    parameters' bytes: the across-group gather runs once per step, in forward."""
+    g = HPZ_GROUP
+    across = run["all_gather_bytes_by_group_size"].get(str(n // g), 0.0)
+    bound = HPZ_ACROSS_MARGIN * param_bytes * (n - g) / (n * g)
+    text = f"zero3_hpz all-gather bytes across groups {across:,.0f} <= {bound:,.0f}"
+    return ("hpz comm", 0 < across <= bound, text)
+
+
+def _quant_offload_checks(result: dict[str, Any]) -> list[tuple[str, bool, str]]:
     """zero3_int8's all-gather bytes vs zero3's and zero3_qgz's all-to-all bytes vs zero3's
     reduce-scatter bytes (at scale: a small model's shards are cut into short blocks, each
     with its fp32 scale), and zero3_offload's state in host memory (any size). Their final
     losses are checked with the other variants'."""
-    found = []
+    runs, found = {r["name"]: r for r in result["runs"]}, []
     if "zero3_int8" in runs and "zero3" in runs:
         gather = lambda r: r["comm_bytes_per_device"]["all-gather"]
         g = gather(runs["zero3_int8"]) / gather(runs["zero3"])
         text = f"zero3_int8 all-gather bytes / zero3 {g:.3f} <= {INT8_GATHER:g}"
         found.append(("int8 comm", g <= INT8_GATHER, text))
+    if "zero3_fp8" in runs and "zero3" in runs:
+        gather = lambda r: r["comm_bytes_per_device"]["all-gather"]
+        g = gather(runs["zero3_fp8"]) / gather(runs["zero3"])
+        text = f"zero3_fp8 all-gather bytes / zero3 {g:.3f} <= {INT8_GATHER:g}"
+        found.append(("fp8 comm", g <= INT8_GATHER, text))
+    if "zero3_hpz" in runs:
+        param_bytes = 4 * result["model"]["params"]  # fp32
+        found.append(_hpz_check(runs["zero3_hpz"], result["devices"], param_bytes))
     if "zero3_qgz" in runs and "zero3" in runs:
         sent = sum(runs["zero3_qgz"]["all_to_all_bytes_by_dtype"].values())
         q = sent / runs["zero3"]["comm_bytes_per_device"]["reduce-scatter"]
@@ -772,7 +809,7 @@ def checks(result: dict[str, Any], *, quick: bool = False) -> list[str]:
         found.append(("time", t <= 1.0, f"zero3 time / auto_fsdp {t:.3f} <= 1"))
         found.append(("peak", p <= 1.0, f"zero3 peak / auto_fsdp {p:.3f} <= 1"))
     found += _bucket_checks(runs, layers=result["model"]["layers"])
-    found += _quant_offload_checks(runs)
+    found += _quant_offload_checks(result)
     lines = [
         f"{'PASS' if ok else 'FAIL'} {text}"
         for target, ok, text in found
