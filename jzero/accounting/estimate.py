@@ -16,6 +16,12 @@ Optimizer offload (ZeRO-Offload, ``offload="optimizer"``, stages 1-3) moves the 
 optimizer bytes to host memory; the device keeps only the two pieces streaming through
 it: a leaf's state, cut into chunks of at most C = ``offload_chunk`` elements when its
 update is elementwise (Adam, AdamW, SGD), so at most 2·K·min(Ψ_layer, C)/N.
+
+Parameter offload (ZeRO-Infinity's ``offload_param``, ``Offload(params=True)``, stage 3)
+moves the parameter shards (2Ψ/N mixed, 4Ψ/N fp32) and, in mixed precision, the fp32
+master weights (4Ψ/N) to host memory; the device keeps the shards of the layers being
+gathered (one layer, two with prefetch). With the optimizer on the device the update
+copies the master weights in, so K·Ψ/N stays in the device's count.
 """
 
 from __future__ import annotations
@@ -237,6 +243,7 @@ def estimate(
     shard_group: int | None = None,
     offload: Offload = None,
     offload_chunk: int = OFFLOAD_CHUNK,
+    offload_params: bool = False,
 ) -> Estimate:
     """Memory per device of one ZeRO stage.
 
@@ -267,6 +274,8 @@ def estimate(
             (Adafactor) of a leaf stacking several layers (``nn.scan``) streams the
             whole leaf, more than this.
         offload_chunk: ``ZeroOptimizer(offload_chunk=...)``, elements per streamed chunk.
+        offload_params: stage 3's parameter shards rest in host memory
+            (``Offload(params=True)``): see :func:`_offloaded_params`.
 
     Examples:
         >>> round(estimate(params=7.5e9, devices=64, stage=1).total_bytes / 1e9, 1)
@@ -287,8 +296,38 @@ def estimate(
         host = states[2]
         piece = min(largest_layer_params, offload_chunk)
         states = (*states[:2], 2 * k * piece / model_parallel / group)
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params must be True or False, got {offload_params!r}.")
+    if offload_params:
+        layers = (2 if prefetch else 1) * largest_layer_params
+        fraction = layers / params if params else 0.0
+        # an offloaded optimizer's host bytes (K) hold the master weights already
+        master = precision == "mixed" and offload is None
+        states, more = _offloaded_params(states, stage, fraction, master=master)
+        host += more
     extra = (gathered, float(activation_bytes), float(buffer_bytes), host)
     return Estimate(stage, *states, *extra)
+
+
+def _offloaded_params(
+    states: tuple[float, float, float], stage: int, in_flight: float, *, master: bool
+) -> tuple[tuple[float, float, float], float]:
+    """Parameter offload: ``(device states, host bytes)`` from the device-resident states.
+
+    Every parameter shard rests in host memory; the device holds copies of the
+    ``in_flight`` fraction of them (the layers being gathered: one, two with prefetch).
+    With ``master`` the fp32 master weights (4 bytes per parameter, 1/N shards, 16-bit
+    parameters) rest in host memory too.
+    """
+    if isinstance(stage, bool) or stage != 3:
+        raise ValueError(
+            f"offload_params=True needs stage 3 (stage {stage} stores whole parameters on "
+            "every device, which jzero does not offload); use stage=3, or leave it False."
+        )
+    params_b, grads_b, opt_b = states
+    master_b = params_b * 4 / _PARAM_BYTES["mixed"] if master else 0.0
+    on_device = params_b * min(in_flight, 1.0)
+    return (on_device, grads_b, opt_b), params_b + master_b
 
 
 def _check_offload(offload: Any, stage: int) -> bool:

@@ -150,7 +150,12 @@ class Plan:
     @property
     def offloads(self) -> bool:
         """Whether the optimizer state and master weights rest in host memory (``HOST``)."""
-        return any(s.memory_kind == HOST for s in (*self.opt, *(self.master or ())))
+        return self.offload_chunk is not None
+
+    @property
+    def offloads_params(self) -> bool:
+        """Whether stage 3's parameter shards rest in host memory (``HOST``)."""
+        return any(s.memory_kind == HOST for s in self.params)
 
     def params_tree(self) -> Any:
         """The parameters' :class:`LeafLayout` s as a pytree shaped like the parameters."""
@@ -210,6 +215,7 @@ def make_plan(
     param_dtype: Any,
     offload: bool = False,
     offload_chunk: int = DEFAULT_OFFLOAD_CHUNK,
+    offload_params: bool = False,
 ) -> Plan:
     """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``stage``.
 
@@ -253,4 +259,17 @@ def make_plan(
             for lay, x in zip(p_lays, p_leaves)
         )
     chunk = offload_chunk if offload else None
-    return Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, chunk)
+    plan = Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, chunk)
+    return params_offloaded(plan) if offload_params else plan
+
+
+def params_offloaded(plan: Plan) -> Plan:
+    """``plan`` with stage 3's sharded parameter leaves, and their fp32 master weights, in
+    host memory (``HOST``): ZeRO-Infinity's parameter offload. Leaves too small to be
+    sharded stay on the device, whole (as DeepSpeed keeps parameters below its persistence
+    threshold), and so does the Optax state unless the optimizer is offloaded too."""
+    sharded = [s.layout.sharded for s in plan.params]
+    host = lambda s, on: dataclasses.replace(s, memory_kind=HOST) if on else s
+    params = tuple(host(s, on) for s, on in zip(plan.params, sharded))
+    master = plan.master and tuple(host(s, on) for s, on in zip(plan.master, sharded))
+    return dataclasses.replace(plan, params=params, master=master)

@@ -30,7 +30,7 @@ from .layout import pad, unpad
 from .memory import check_state_offload
 from .mesh_types import on_compute_mesh, typed
 from .offload.update import offloaded_update
-from .placement import constrain, store, typed_state, view
+from .placement import constrain, store, to_device, typed_state, view
 from .plan import Plan
 from .precision import Precision
 from .state import ZeroState
@@ -273,37 +273,46 @@ def _update(
     Where ``finite`` is False (non-finite gradients under dynamic loss scaling, or an
     invalid :class:`Weighted` count) the step keeps the old parameters, Optax state and
     master weights. With an offloaded optimizer the state streams through the device
-    (:func:`.offload.update.offloaded_update`).
+    (:func:`.offload.update.offloaded_update`). Leaves the plan stores in host memory
+    (offloaded parameters and master weights too) are copied in to be updated and the new
+    ones written back there (:func:`.placement.constrain`).
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params
-    if plan.offloads:
-        params, opt_state, master = offloaded_update(
-            tx, precision, plan, grads, state.opt_state, weights, finite
-        )
-    else:
-        master = view(weights, plan.master if plan.master is not None else plan.params)
-        opt_state = view(state.opt_state, plan.opt)
-        updates, opt_state = tx.update(grads, opt_state, master)
-        master = optax.apply_updates(master, updates)
-        opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
-        params = precision.cast(master)
-        if plan.master is not None:
-            master = constrain(plan, store(master, plan.master), plan.master)
-        else:
-            master = None
+    update = offloaded_update if plan.offloads else _device_update
+    params, opt_state, master = update(tx, precision, plan, grads, state.opt_state, weights, finite)
     if plan.partitions_opt_state and not plan.partitions_params:
         params = _all_gather_params(plan, params)
     params = constrain(plan, store(params, plan.params), plan.params)
-    new = state.replace(params=params, opt_state=opt_state, master=master)
-    if finite is not None and not plan.offloads:
+    return state.replace(params=params, opt_state=opt_state, master=master)
+
+
+def _device_update(
+    tx: optax.GradientTransformation,
+    precision: Precision,
+    plan: Plan,
+    grads: Any,
+    opt_state: Any,
+    weights: Any,
+    finite: jax.Array | None,
+) -> tuple[Any, Any, Any]:
+    """The Optax update with the state on the device; as ``offloaded_update``, returns the
+    new parameters (true shapes, on the device), the stored Optax state and the stored
+    master weights (None without)."""
+    stored = plan.master if plan.master is not None else plan.params
+    old = view(to_device(plan, weights, stored), stored)
+    old_state = view(opt_state, plan.opt)
+    updates, opt_state = tx.update(grads, old_state, old)
+    master = optax.apply_updates(old, updates)
+    if finite is not None:  # the old values where the step is skipped
         keep = lambda new, old: jnp.where(finite, new, old)
-        new = new.replace(
-            params=jax.tree.map(keep, new.params, state.params),
-            opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
-            master=jax.tree.map(keep, new.master, state.master),
-        )
-    return new
+        master = jax.tree.map(keep, master, old)
+        opt_state = jax.tree.map(keep, opt_state, old_state)
+    opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
+    params = precision.cast(master)
+    if plan.master is None:
+        return params, opt_state, None
+    return params, opt_state, constrain(plan, store(master, plan.master), plan.master)
 
 
 def _all_gather_params(plan: Plan, params: Any) -> Any:
