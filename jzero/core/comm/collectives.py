@@ -93,14 +93,18 @@ def on_device(x: jax.Array) -> jax.Array:
     return x
 
 
-def after(tree: Any, dep: Any) -> Any:
+def after(tree: Any, dep: Any, *, only: str | None = None) -> Any:
     """``tree`` unchanged bit for bit, but data-dependent on every float leaf of ``dep``.
 
     An ordering constraint that survives XLA:CPU, whose pipeline drops optimization
     barriers before scheduling: each float leaf of ``tree`` gets an exact zero derived
     from ``dep`` added (``x * 0`` of a finite value is never folded). Leaves whose
-    varying mesh axes don't include ``dep``'s are left alone; a leaf in host memory is
-    copied to the device first (:func:`on_device`), so that the copy waits for ``dep``.
+    varying mesh axes don't include ``dep``'s are left alone. A leaf in host memory (an
+    offloaded shard) is tied by an ``optimization_barrier`` instead (no arithmetic on host
+    memory; XLA:CPU, which drops the barrier, has one memory and no copy to order). It
+    has no transpose for a host leaf's (device-typed) zero cotangent: ``only="device"``
+    or ``"host"`` ties those leaves alone, so that a differentiated tie can leave host
+    leaves to an undifferentiated one.
     """
     floats = [d for d in jax.tree.leaves(dep) if jnp.issubdtype(d.dtype, jnp.inexact) and d.size]
     if not floats:
@@ -111,7 +115,12 @@ def after(tree: Any, dep: Any) -> Any:
     def tie(a):
         if not jnp.issubdtype(a.dtype, jnp.inexact) or not varying_axes(zero) <= varying_axes(a):
             return a
-        return on_device(a) + zero.astype(a.dtype)
+        host = jax.typeof(a).memory_space == jax.memory.Space.Host
+        if only is not None and only != ("host" if host else "device"):
+            return a
+        if host:
+            return jax.lax.optimization_barrier((a, zero))[0]
+        return a + zero.astype(a.dtype)
 
     return jax.tree.map(tie, tree)
 
