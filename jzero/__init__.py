@@ -24,6 +24,7 @@ from .core.gather.remat import remat_layer as remat_layer
 from .core.layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
 from .core.mesh import hybrid_mesh as hybrid_mesh
+from .core.offload.options import Offload as Offload
 from .core.optimizer import ZeroOptimizer as ZeroOptimizer
 from .core.plan import Plan as Plan
 from .core.precision import Precision as Precision

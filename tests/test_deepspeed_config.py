@@ -31,6 +31,8 @@ EXAMPLES = {
 
 # The Hugging Face Trainer's ZeRO-2 config, vendored unchanged (tests/vendor/.../SOURCE.md).
 HF_ZERO2 = Path(__file__).parent / "vendor" / "transformers_deepspeed" / "ds_config_zero2.json"
+OFFLOAD = jzero.Offload(optimizer="stream")  # what offload_optimizer {"device": "cpu"} maps to
+
 HF_AUTO = (  # its "auto" keys, by dotted path, in sorted order
     "bf16.enabled",
     "fp16.enabled",
@@ -126,10 +128,10 @@ def test_zero3_offload_example_is_zero3_with_the_optimizer_in_host_memory():
     assert "offload_optimizer" not in str(record[0].message)  # pin_memory: what jzero does
     with pytest.warns(DeepSpeedConfigWarning):
         plain = jzero.from_deepspeed_config(EXAMPLES["zero3"])
-    assert ds.offload == "optimizer" and plain.offload is None
+    assert ds.offload == OFFLOAD and plain.offload is None
     assert (ds.stage, ds.precision, ds.min_shard_size) == (3, plain.precision, plain.min_shard_size)
     opt = ds.optimizer(jzero.data_mesh())
-    assert opt.offload == "optimizer" and opt.plan(_models.awkward_params()).offloads
+    assert opt.offload == OFFLOAD and opt.plan(_models.awkward_params()).offloads
 
 
 # ------------------------------------------------------------------ optimizer and clipping
@@ -677,7 +679,7 @@ def test_main_job_takes_offload_and_gradient_quantization_from_the_config(tmp_pa
         ds = train_lm.apply_deepspeed_config(parser, args, argv, jax.device_count())
     assert (args.stage, args.offload, args.grad_quant) == (3, True, "int8")
     opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
-    assert (opt.stage, opt.offload, opt.precision) == (3, "optimizer", ds.precision)
+    assert (opt.stage, opt.offload, opt.precision) == (3, OFFLOAD, ds.precision)
     assert opt.precision.grad_quant == "int8"
 
 
@@ -694,20 +696,20 @@ OFFLOADED = {  # zero_optimization keys that offload the optimizer state to the 
 @pytest.mark.parametrize("name", sorted(OFFLOADED))
 def test_optimizer_offload_to_the_cpu_is_offload_optimizer(stage, name):
     ds = load({"zero_optimization": {"stage": stage, **OFFLOADED[name]}})
-    assert (ds.stage, ds.offload) == (stage, "optimizer")
+    assert (ds.stage, ds.offload) == (stage, OFFLOAD)
     opt = ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
-    assert (opt.stage, opt.offload) == (stage, "optimizer")
+    assert (opt.stage, opt.offload) == (stage, OFFLOAD)
 
 
 def test_sub_group_size_bounds_the_offloaded_chunks():
     zero = {"stage": 3, "sub_group_size": 1e6, **OFFLOADED["cpu"]}  # JSON's 1e6 is 10**6
     ds = load({"zero_optimization": zero})
-    assert ds.offload_chunk == 10**6
-    assert ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1)).offload_chunk == 10**6
-    assert load({"zero_optimization": {"stage": 3, **OFFLOADED["cpu"]}}).offload_chunk is None
+    assert ds.offload == jzero.Offload(optimizer="stream", chunk=10**6)
+    assert ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1)).offload.chunk == 10**6
+    assert load({"zero_optimization": {"stage": 3, **OFFLOADED["cpu"]}}).offload.chunk is None
     with pytest.warns(DeepSpeedConfigWarning, match="sub_group_size: without optimizer offload"):
         ds = jzero.from_deepspeed_config({"zero_optimization": {"stage": 3, "sub_group_size": 8}})
-    assert ds.offload_chunk is None and ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
+    assert ds.offload is None and ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
 
 
 @pytest.mark.parametrize(
@@ -735,7 +737,7 @@ def test_offload_knobs_are_warned_with_why():
                 },
             }
         )
-    assert ds.offload == "optimizer"
+    assert ds.offload == OFFLOAD
     (warning,) = record
     at = "zero_optimization.offload_optimizer"
     nvme = "it configures NVMe offload; jzero offloads to host memory only"
@@ -965,7 +967,7 @@ def test_auto_fills_the_hf_config_as_if_written():
     assert noted(record) == noted(record_written)
     same = ("stage", "precision", "offload", "gradient_clipping", "min_shard_size")
     assert [getattr(ds, f) for f in same] == [getattr(want, f) for f in same]
-    assert (ds.stage, ds.offload, ds.precision) == (2, "optimizer", jzero.Precision(jnp.bfloat16))
+    assert (ds.stage, ds.offload, ds.precision) == (2, OFFLOAD, jzero.Precision(jnp.bfloat16))
     assert ds.batch_sizes(data_parallel_size=8) == BatchSizes(128, 8, 2)
     p = {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10}
     got = [float(ds.learning_rate(jnp.int32(c))) for c in range(15)]
@@ -1060,7 +1062,7 @@ def test_comments_are_read_as_deepspeed_does(tmp_path):
     with pytest.warns(DeepSpeedConfigWarning) as record:
         ds = jzero.from_deepspeed_config(path)
     assert noted(record) == ["zero_optimization.offload_optimizer.nvme_path"]
-    assert (ds.stage, ds.offload, ds.micro_batch_size) == (2, "optimizer", 4)
+    assert (ds.stage, ds.offload, ds.micro_batch_size) == (2, OFFLOAD, 4)
 
 
 @pytest.mark.parametrize(

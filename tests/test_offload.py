@@ -34,7 +34,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jzero
 from jzero.core.offload.split import split_update
-from jzero.core.offload.update import check_offload
 
 HOST = "pinned_host"
 BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
@@ -183,7 +182,7 @@ def test_estimate_moves_the_optimizer_state_to_the_host():
 
 def test_offload_errors():
     mesh = jzero.data_mesh()
-    with pytest.raises(ValueError, match="offload must be None or 'optimizer', got 'cpu'"):
+    with pytest.raises(ValueError, match="offload must be None, 'optimizer' .* got 'cpu'"):
         jzero.ZeroOptimizer(TXS["adam"], mesh, stage=1, offload="cpu")
     with pytest.raises(ValueError, match="needs stage >= 1"):
         jzero.ZeroOptimizer(TXS["adam"], mesh, stage=0, offload="optimizer")
@@ -192,7 +191,7 @@ def test_offload_errors():
     device = types.SimpleNamespace(platform="tpu", addressable_memories=lambda: [memory])
     bare = types.SimpleNamespace(devices=np.array([device]))
     with pytest.raises(ValueError, match=r"the tpu backend's devices offer only \['device'\]"):
-        check_offload("optimizer", mesh=bare, stage=1)
+        jzero.Offload(optimizer="stream").check(mesh=bare, stage=1)
 
 
 # Offloaded activation checkpoints (ZeRO-R): each layer's pre-activation goes to host memory.

@@ -44,7 +44,7 @@ STEPS = 5
 
 
 def _opt(tx, *, stage: int, chunk: int | None, offload: str | None = "optimizer", **kw):
-    extra = {} if offload is None else {"offload": offload, "offload_chunk": chunk}
+    extra = {} if offload is None else {"offload": jzero.Offload(optimizer="stream", chunk=chunk)}
     return jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=stage, min_shard_size=1, **extra, **kw)
 
 
@@ -186,9 +186,8 @@ def test_cut_axis_avoids_every_sharded_axis():
     devices = np.array(jax.devices()).reshape(4, 2)
     mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     specs = {"layers": {"w": P(None, None, "model"), "b": P()}}
-    opt = jzero.ZeroOptimizer(
-        TXS["adam"], mesh, stage=3, param_specs=specs, offload="optimizer", offload_chunk=chunk
-    )
+    offload = jzero.Offload(optimizer="stream", chunk=chunk)
+    opt = jzero.ZeroOptimizer(TXS["adam"], mesh, stage=3, param_specs=specs, offload=offload)
     plan = opt.plan(stacked_params())
     split = split_update(TXS["adam"], plan)
     kernel = next(b for b in split.buckets if plan.params[b.params[0]].layout.shape == KERNEL)
@@ -209,11 +208,19 @@ def test_fp16_overflow_skips_every_chunk():
 
 def test_offload_chunk_errors():
     for bad in (0, -4, 2.5, True, "16M"):
-        with pytest.raises(ValueError, match="offload_chunk must be a positive int"):
+        with pytest.raises(ValueError, match="Offload.chunk must be a positive int"):
             _opt(TXS["adam"], stage=1, chunk=bad)
-    with pytest.raises(ValueError, match="only applies with offload='optimizer'"):
+    for optimizer in (None, "host"):
+        with pytest.raises(ValueError, match="only optimizer='stream' does"):
+            jzero.Offload(optimizer=optimizer, chunk=LAYER)
+    moved = re.escape(
+        f"ZeroOptimizer(offload_chunk={LAYER}): the chunk size is an offload option now; "
+        f"pass offload=jzero.Offload(optimizer='stream', chunk={LAYER})."
+    )
+    with pytest.raises(TypeError, match=f"^{moved}$"):
         jzero.ZeroOptimizer(TXS["adam"], jzero.data_mesh(), stage=1, offload_chunk=LAYER)
-    assert _opt(TXS["adam"], stage=1, chunk=None).offload_chunk == DEFAULT_OFFLOAD_CHUNK
+    plan = _opt(TXS["adam"], stage=1, chunk=None).plan(stacked_params())
+    assert plan.offload_chunk == DEFAULT_OFFLOAD_CHUNK
     plan = _opt(TXS["adam"], stage=1, chunk=None, offload=None).plan(stacked_params())
     assert plan.offload_chunk is None
 

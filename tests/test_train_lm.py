@@ -249,15 +249,15 @@ def test_train_lm_refuses_bad_flags_up_front(tmp_path, capsys, args, error):
     ("flags", "offload", "grad_quant"),
     [
         ([], None, None),
-        (["--offload"], "optimizer", None),
+        (["--offload"], "stream", None),
         (["--grad-quant", "int4", "--precision", "bf16"], None, "int4"),
-        (["--stage", "1", "--offload", "--grad-quant", "int8"], "optimizer", "int8"),
+        (["--stage", "1", "--offload", "--grad-quant", "int8"], "stream", "int8"),
     ],
 )
 def test_train_lm_flags_build_the_optimizer(flags, offload, grad_quant):
     args = train_lm.make_parser().parse_args(flags)
     opt, _ = train_lm.make_optimizer(args, jzero.data_mesh())
-    assert (opt.stage, opt.offload) == (args.stage, offload)
+    assert (opt.stage, opt.offload.optimizer) == (args.stage, offload)
     precision = train_lm.PRECISIONS[args.precision]
     assert opt.precision == dataclasses.replace(precision, grad_quant=grad_quant)
 

@@ -16,11 +16,12 @@ import json
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import optax
 from jax.sharding import Mesh
 
+from ..core.offload.options import Offload
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
@@ -88,12 +89,9 @@ class DeepSpeedOptions:
         precision: from ``fp16`` / ``bf16`` / ``communication_data_type``, with
             ``gather_quant="int8"`` for ``zero_quantized_weights`` and ``grad_quant="int8"``
             for ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
-        offload: ``"optimizer"`` for ``offload_optimizer`` ``{"device": "cpu"}`` (or
-            ``cpu_offload``): the optimizer state and fp32 master weights rest in pinned host
-            memory (``ZeroOptimizer(offload=...)``); None otherwise.
-        offload_chunk: with ``offload``, ``sub_group_size``: the most elements of a leaf
-            whose state streams through the device at once (``ZeroOptimizer(offload_chunk=
-            ...)``); None: absent (jzero's default) or not offloaded.
+        offload: the :class:`jzero.Offload` for ``offload_optimizer`` ``{"device": "cpu"}``
+            (or ``cpu_offload``): the optimizer state and fp32 master weights rest in pinned
+            host memory; ``sub_group_size`` is its ``chunk``. None otherwise.
         tx: the ``optimizer`` with its ``scheduler``, after ``gradient_clipping``; None
             without an ``optimizer``.
         learning_rate: the ``scheduler`` as an Optax schedule, else the optimizer's lr;
@@ -109,7 +107,7 @@ class DeepSpeedOptions:
 
     stage: Stage
     precision: Precision
-    offload: Literal["optimizer"] | None
+    offload: Offload | None
     tx: optax.GradientTransformation | None
     learning_rate: optax.ScalarOrSchedule | None
     gradient_clipping: float
@@ -117,7 +115,6 @@ class DeepSpeedOptions:
     train_batch_size: int | None
     micro_batch_size: int | None
     grad_accum: int | None
-    offload_chunk: int | None = None
 
     def batch_sizes(self, *, data_parallel_size: int) -> BatchSizes:
         """The three batch sizes on ``data_parallel_size`` devices, completed as DeepSpeed
@@ -168,8 +165,6 @@ class DeepSpeedOptions:
             )
         tx = self.tx if tx is None else clipped(self.gradient_clipping, tx)
         extra = {} if self.min_shard_size is None else {"min_shard_size": self.min_shard_size}
-        if self.offload_chunk is not None:
-            extra["offload_chunk"] = self.offload_chunk
         return ZeroOptimizer(
             tx,
             mesh,
@@ -225,7 +220,6 @@ def from_deepspeed_config(
             precision, gather_quant=zero.gather_quant, grad_quant=zero.grad_quant
         ),
         offload=zero.offload,
-        offload_chunk=zero.offload_chunk,
         tx=tx,
         learning_rate=learning_rate,
         gradient_clipping=clip,

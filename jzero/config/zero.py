@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
+from ..core.offload.options import Offload
 from .keys import Key, Section, attempt, boolean, integer, no_effect, number, one_of, positive
 
 
@@ -77,7 +78,7 @@ OFFLOAD_PARAM = {  # only "device": "none" passes, so every other key has no eff
 ZERO = {
     "stage": Key(stage, 0),
     "stage3_param_persistence_threshold": Key(integer),  # -> min_shard_size at stage 3
-    "offload_optimizer": Key(default={}),  # "device": "cpu" -> offload="optimizer"
+    "offload_optimizer": Key(default={}),  # "device": "cpu" -> Offload(optimizer=...)
     "offload_param": Key(default={}),
     "cpu_offload": Key(boolean, False),  # true: offload_optimizer's "device": "cpu"
     "overlap_comm": no_effect("XLA's scheduler decides what overlaps with what"),
@@ -102,7 +103,7 @@ ZERO = {
     "zero_quantized_weights": Key(boolean, False),  # -> Precision(gather_quant="int8")
     "zero_quantized_gradients": Key(boolean, False),  # -> Precision(grad_quant="int8")
     "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
-    "sub_group_size": Key(positive),  # with offload: offload_chunk
+    "sub_group_size": Key(positive),  # with offload: Offload.chunk
     "round_robin_gradients": no_effect(
         "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; jzero "
         "keeps gradients on the accelerator (offload moves the optimizer state only)"
@@ -117,10 +118,9 @@ class Zero(NamedTuple):
 
     stage: int  # zero_optimization.stage (DeepSpeed's default 0)
     min_shard_size: int | None  # stage3_param_persistence_threshold + 1 at stage 3, else None
-    offload: Literal["optimizer"] | None  # offload_optimizer "cpu" / cpu_offload: "optimizer"
+    offload: Offload | None  # offload_optimizer "cpu" / cpu_offload (+ sub_group_size)
     gather_quant: Literal["int8"] | None  # zero_quantized_weights: "int8"
     grad_quant: Literal["int8"] | None  # zero_quantized_gradients: "int8"
-    offload_chunk: int | None  # sub_group_size, with offload; else None
 
 
 def read_zero(top: Section) -> Zero:
@@ -138,17 +138,15 @@ def read_zero(top: Section) -> Zero:
             "it quantizes the gradient reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 "
             "all-reduces whole gradients; use stage 1, 2 or 3.",
         )
-    return Zero(
-        stage, _min_shard_size(zero), offload, gather_quant, grad_quant, _chunk(zero, offload)
-    )
+    return Zero(stage, _min_shard_size(zero), offload, gather_quant, grad_quant)
 
 
-def _chunk(zero: Section, offload: str | None) -> int | None:
-    """``sub_group_size`` (elements per optimizer sub-step) as ``offload_chunk``: the most
+def _chunk(zero: Section, offloaded: bool) -> int | None:
+    """``sub_group_size`` (elements per optimizer sub-step) as ``Offload.chunk``: the most
     elements of a leaf whose offloaded state streams through the device at once."""
     if "sub_group_size" not in zero:
         return None
-    if offload is None:
+    if not offloaded:
         zero.note(
             "sub_group_size",
             "without optimizer offload the update is one XLA program over every shard",
@@ -167,9 +165,9 @@ def _min_shard_size(zero: Section) -> int | None:
     return max(0, zero[key]) + 1
 
 
-def _offload(zero: Section) -> Literal["optimizer"] | None:
-    """``"optimizer"`` when ``offload_optimizer`` (or ``cpu_offload``) offloads to the CPU;
-    refuses parameter offload, NVMe, both spellings at once, and stage 0."""
+def _offload(zero: Section) -> Offload | None:
+    """The :class:`Offload` when ``offload_optimizer`` (or ``cpu_offload``) offloads to the
+    CPU; refuses parameter offload, NVMe, both spellings at once, and stage 0."""
     optimizer = zero.section("offload_optimizer", _for_device(zero, "offload_optimizer"))
     zero.section("offload_param", _for_device(zero, "offload_param"))
     if "cpu_offload" in zero and "offload_optimizer" in zero:
@@ -183,6 +181,7 @@ def _offload(zero: Section) -> Literal["optimizer"] | None:
     elif optimizer["device"] == "cpu":
         where, key = optimizer, "device"
     else:
+        _chunk(zero, offloaded=False)
         return None
     if zero["stage"] == 0:
         where.refuse(
@@ -190,7 +189,7 @@ def _offload(zero: Section) -> Literal["optimizer"] | None:
             "optimizer offload needs stage 1, 2 or 3 (as in DeepSpeed): at stage 0 every "
             "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3.",
         )
-    return "optimizer"
+    return Offload(optimizer="stream", chunk=_chunk(zero, offloaded=True))
 
 
 def _for_device(zero: Section, key: str) -> Mapping[str, Key]:

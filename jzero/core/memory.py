@@ -4,22 +4,22 @@ state's. jzero never moves a state between memories by itself."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import jax
 
-from .plan import HOST, Stored
+from .plan import HOST, NO_OFFLOAD, Offload, Stored
 from .state import ZeroState
 
 
-def check_state_offload(state: ZeroState, offload: Literal["optimizer"] | None) -> None:
+def check_state_offload(state: ZeroState, offload: Offload) -> None:
     """``state`` was made by an optimizer with this ``offload`` (the step's check; export
     and inspection read placement from the state's plan and take either)."""
-    if state.plan.offloads != (offload is not None):
-        made = "optimizer" if state.plan.offloads else None
+    if state.plan.offload != offload:
         raise ValueError(
-            f"state was made by an optimizer with offload={made!r}, but this optimizer has "
-            f"offload={offload!r}; create the state with this optimizer's init(), or move it "
+            f"state was made by an optimizer with offload={_spelled(state.plan.offload)}, but "
+            f"this optimizer has offload={_spelled(offload)}; create the state with this "
+            "optimizer's init(), or move it "
             "over with a checkpoint: jzero.Checkpointer.restore(opt, ...) places every leaf "
             "where this optimizer's plan says."
         )
@@ -45,7 +45,7 @@ def check_memory(state: ZeroState) -> None:
             if got is None or got == want:
                 continue
             how = (
-                "the optimizer's leaves rest in host memory (offload='optimizer')"
+                f"the optimizer's leaves rest in host memory (offload={_spelled(plan.offload)})"
                 if plan.offloads
                 else "nothing is offloaded (offload=None)"
             )
@@ -56,6 +56,13 @@ def check_memory(state: ZeroState) -> None:
                 f"x.sharding.with_memory_kind({want!r})), or restore the state with "
                 "jzero.Checkpointer.restore(opt, ...), which places every leaf as planned."
             )
+
+
+def _spelled(offload: Offload) -> str:
+    """``offload`` as a user writes it: None, ``'optimizer'`` (its shorthand) or the object."""
+    if offload == NO_OFFLOAD:
+        return "None"
+    return "'optimizer'" if offload == Offload(optimizer="stream") else repr(offload)
 
 
 def _kind(stored: Stored | None) -> str:

@@ -26,7 +26,7 @@ from .checks import (
 )
 from .layout import DEFAULT_MIN_SHARD_SIZE
 from .mesh import REPLICA, check_mesh, fit_specs
-from .offload.update import check_offload, check_offload_chunk
+from .offload.options import Offload, as_offload
 from .placement import full_params, full_state, init_program
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
@@ -67,17 +67,13 @@ class ZeroOptimizer:
             with no metadata are refused with a ``ValueError`` (the rules would do nothing).
             A ``with nn.logical_axis_rules(...)`` context is not read here.
         precision: a :class:`Precision` policy (default: everything float32).
-        offload: ``"optimizer"`` keeps the sharded Optax state and fp32 master weights in
-            pinned host memory (ZeRO-Offload; stages 1-3); each step streams them through
-            the device one parameter leaf at a time when the transformation is elementwise
-            over leaves, else as one whole tree (:mod:`jzero.core.offload.update`). The backend
-            must offer the ``pinned_host`` memory kind. None (default): on the device.
-        offload_chunk: with ``offload="optimizer"``, the most elements of one parameter
-            leaf whose state streams through the device at once (DeepSpeed's
-            ``sub_group_size``): an elementwise update (Adam, AdamW, SGD, a global-norm
-            clip) of a larger leaf runs on chunks of it, cut along an axis no mesh axis
-            shards (:mod:`jzero.core.offload.chunks`); other updates stream whole leaves. Default
-            (None): ``2**24``.
+        offload: a :class:`jzero.Offload`: what rests in pinned host memory and where the
+            optimizer step runs (stages 1-3; the backend must offer the ``pinned_host``
+            memory kind). ``"optimizer"`` is short for ``Offload(optimizer="stream")``: the
+            sharded Optax state and fp32 master weights rest in host memory and stream
+            through the device, which updates them. ``Offload(optimizer="host")`` runs the
+            update on the host (:mod:`jzero.core.offload.host_step`). None (default):
+            everything on the device. (``offload_chunk=`` moved to ``Offload(chunk=)``.)
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(optax.adamw(3e-4), jzero.data_mesh(), stage=3)
@@ -96,8 +92,8 @@ class ZeroOptimizer:
         param_specs: Any = None,
         rules: Rules | None = None,
         precision: Precision | None = None,
-        offload: Literal[None, "optimizer"] = None,
-        offload_chunk: int | None = None,
+        offload: Offload | Literal["optimizer"] | None = None,
+        **moved: Any,
     ):
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
             raise ValueError(
@@ -120,8 +116,8 @@ class ZeroOptimizer:
         self.param_specs = param_specs
         self.rules = None if rules is None else check_rules(rules, mesh)
         self.precision = check_precision(Precision() if precision is None else precision)
-        self.offload = offload if check_offload(offload, mesh=mesh, stage=stage) else None
-        self.offload_chunk = check_offload_chunk(offload_chunk, offload=self.offload)
+        self.offload = as_offload(offload, moved)
+        self.offload.check(mesh=mesh, stage=stage)
 
     def plan(self, params: Any) -> Plan:
         """Where every leaf lives, for ``params`` (arrays or ``jax.ShapeDtypeStruct`` s).
@@ -141,8 +137,7 @@ class ZeroOptimizer:
             user_specs=self._user_specs(shapes),
             min_shard_size=self.min_shard_size,
             param_dtype=self.precision.param_dtype,
-            offload=self.offload is not None,
-            offload_chunk=self.offload_chunk,
+            offload=self.offload,
         )
 
     def _user_specs(self, shapes: Any) -> Any:

@@ -24,12 +24,11 @@ from .._table import table
 from .layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
 from .mesh_types import compute_mesh
+from .offload.options import DEFAULT_OFFLOAD_CHUNK as DEFAULT_OFFLOAD_CHUNK
+from .offload.options import HOST as HOST
+from .offload.options import NO_OFFLOAD, Offload
 
 Stage = Literal[0, 1, 2, 3]
-HOST = "pinned_host"
-"""The memory kind an offloaded leaf is stored in (ZeRO-Offload: the optimizer's leaves)."""
-DEFAULT_OFFLOAD_CHUNK = 2**24
-"""Elements per chunk an offloaded elementwise update streams through the device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +77,8 @@ class Plan:
         opt_def, opt: the same for the Optax state.
         master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
             parameters are stored in a 16-bit dtype; None otherwise.
-        offload_chunk: with an offloaded optimizer, the most elements of a leaf whose
-            elementwise update streams through the device at once (:mod:`.offload.chunks`);
-            None otherwise.
+        offload: what rests in host memory and where the optimizer step runs
+            (:class:`Offload`; ``Offload()``: nothing offloaded).
     """
 
     mesh: Mesh
@@ -90,7 +88,7 @@ class Plan:
     opt_def: Any
     opt: tuple[Stored, ...]
     master: tuple[Stored, ...] | None
-    offload_chunk: int | None = None
+    offload: Offload = NO_OFFLOAD
 
     @property
     def data_size(self) -> int:
@@ -150,12 +148,23 @@ class Plan:
     @property
     def offloads(self) -> bool:
         """Whether the optimizer state and master weights rest in host memory (``HOST``)."""
-        return self.offload_chunk is not None
+        return self.offload.optimizer is not None
 
     @property
     def offloads_params(self) -> bool:
         """Whether stage 3's parameter shards rest in host memory (``HOST``)."""
         return any(s.memory_kind == HOST for s in self.params)
+
+    @property
+    def host_step(self) -> bool:
+        """Whether the optimizer step runs on the host (``Offload(optimizer="host")``)."""
+        return self.offload.optimizer == "host"
+
+    @property
+    def offload_chunk(self) -> int | None:
+        """With a streamed optimizer, the most elements of a leaf whose elementwise update
+        streams through the device at once (:mod:`.offload.chunks`); None otherwise."""
+        return self.offload.stream_chunk
 
     def params_tree(self) -> Any:
         """The parameters' :class:`LeafLayout` s as a pytree shaped like the parameters."""
@@ -213,9 +222,7 @@ def make_plan(
     user_specs: Any,
     min_shard_size: int,
     param_dtype: Any,
-    offload: bool = False,
-    offload_chunk: int = DEFAULT_OFFLOAD_CHUNK,
-    offload_params: bool = False,
+    offload: Offload = NO_OFFLOAD,
 ) -> Plan:
     """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``stage``.
 
@@ -224,9 +231,8 @@ def make_plan(
     one parameter has that shape. ``user_specs`` is a tree of ``PartitionSpec`` over the
     mesh's other axes, shaped like ``params``. Parameters are stored in ``param_dtype``;
     with a 16-bit ``param_dtype`` the fp32 master weights are laid out like the optimizer
-    state. With ``offload`` the optimizer state and master weights are stored in host
-    memory (memory kind ``HOST``); the parameters stay on the device, and the update
-    streams elementwise leaves through it in chunks of ``offload_chunk`` elements.
+    state. With ``offload.optimizer`` the optimizer state and master weights are stored in
+    host memory (memory kind ``HOST``); the parameters stay on the device.
     """
     n = 1 if stage == 0 else mesh.shape[DATA]
     rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_shard_size, user_spec=spec)
@@ -245,7 +251,7 @@ def make_plan(
     mixed = param_dtype != np.dtype(np.float32)
     floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
     stored_dtype = lambda x: param_dtype if floating(x) else np.dtype(x.dtype)
-    kind = HOST if offload else None
+    kind = HOST if offload.optimizer is not None else None
     params_stored = tuple(
         Stored(lay, stage == 3, stored_dtype(x)) for lay, x in zip(p_lays, p_leaves)
     )
@@ -258,9 +264,8 @@ def make_plan(
             Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind)
             for lay, x in zip(p_lays, p_leaves)
         )
-    chunk = offload_chunk if offload else None
-    plan = Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, chunk)
-    return params_offloaded(plan) if offload_params else plan
+    plan = Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, offload)
+    return params_offloaded(plan) if offload.params else plan
 
 
 def params_offloaded(plan: Plan) -> Plan:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,8 @@ from .comm.collectives import all_gather
 from .layout import pad, unpad
 from .memory import check_state_offload
 from .mesh_types import on_compute_mesh, typed
+from .offload.host_step import Gradients, host_update
+from .offload.options import NO_OFFLOAD, Offload
 from .offload.update import offloaded_update
 from .placement import constrain, store, to_device, typed_state, view
 from .plan import Plan
@@ -80,7 +82,7 @@ def make_train_step(
     *,
     mesh: Mesh,
     stage: int,
-    offload: Literal["optimizer"] | None = None,
+    offload: Offload = NO_OFFLOAD,
     manual_gather: bool = False,
     grad_accum: int = 1,
     with_model_state: bool = False,
@@ -209,6 +211,7 @@ def make_train_step(
             loss, denominator = loss.total / divisor(count), divisor(count) * scale
         else:
             denominator = n * grad_accum * scale
+        reduced = grads
         grads = jax.tree.map(
             lambda g, lay: unpad(g.astype(jnp.float32) / denominator, lay),
             grads,
@@ -219,7 +222,7 @@ def make_train_step(
         if state.loss_scale is not None:  # non-finite gradients: the update keeps the state
             finite = jnp.isfinite(metrics["grad_norm"])
         keep = ok if finite is None else (finite if ok is None else finite & ok)
-        new_state = _update(tx, precision, state, grads, keep)
+        new_state = _update(tx, precision, state, Gradients(reduced, denominator, grads), keep)
         if has_aux:
             metrics["aux"] = aux
         if finite is not None:
@@ -265,7 +268,7 @@ def _update(
     tx: optax.GradientTransformation,
     precision: Precision,
     state: ZeroState,
-    grads: Any,
+    grads: Gradients,
     finite: jax.Array | None,
 ) -> ZeroState:
     """The Optax update in the global view, on fp32 master weights, then re-placement.
@@ -273,14 +276,22 @@ def _update(
     Where ``finite`` is False (non-finite gradients under dynamic loss scaling, or an
     invalid :class:`Weighted` count) the step keeps the old parameters, Optax state and
     master weights. With an offloaded optimizer the state streams through the device
-    (:func:`.offload.update.offloaded_update`). Leaves the plan stores in host memory
-    (offloaded parameters and master weights too) are copied in to be updated and the new
-    ones written back there (:func:`.placement.constrain`).
+    (:func:`.offload.update.offloaded_update`), or is updated on the host
+    (:func:`.offload.host_step.host_update`). Leaves the plan stores in host memory
+    (offloaded parameters and master weights too) are copied in to be updated on the
+    device and the new ones written back there (:func:`.placement.constrain`).
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params
-    update = offloaded_update if plan.offloads else _device_update
-    params, opt_state, master = update(tx, precision, plan, grads, state.opt_state, weights, finite)
+    if plan.host_step:
+        params, opt_state, master = host_update(
+            tx, precision, plan, grads, state.opt_state, weights, finite
+        )
+    else:
+        update = offloaded_update if plan.offloads else _device_update
+        params, opt_state, master = update(
+            tx, precision, plan, grads.averaged, state.opt_state, weights, finite
+        )
     if plan.partitions_opt_state and not plan.partitions_params:
         params = _all_gather_params(plan, params)
     params = constrain(plan, store(params, plan.params), plan.params)

@@ -31,53 +31,13 @@ import optax
 
 from ...internal.interpret import value as read
 from ..placement import store, to_device, to_host, view
-from ..plan import DEFAULT_OFFLOAD_CHUNK, HOST, Plan, Stored
+from ..plan import Plan, Stored
 from ..precision import Precision
 from . import chunks
 from .chunks import Cut
 from .split import Bucket, Split, evaluate, split_update
 
-OFFLOADS = (None, "optimizer")
 _IN_FLIGHT = 2  # buckets whose state may be on the device at once
-
-
-def check_offload(offload: Any, *, mesh: jax.sharding.Mesh, stage: int) -> bool:
-    """Validates ``ZeroOptimizer(offload=...)``; True when the optimizer is offloaded."""
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload must be None or 'optimizer', got {offload!r}.")
-    if offload is None:
-        return False
-    if stage == 0:
-        raise ValueError(
-            "offload='optimizer' needs stage >= 1: at stage 0 every device holds the whole "
-            "optimizer state, which ZeRO-Offload does not move; use stage=1, 2 or 3."
-        )
-    device = mesh.devices.flat[0]
-    kinds = [m.kind for m in device.addressable_memories()]
-    if HOST not in kinds:
-        raise ValueError(
-            f"offload='optimizer' needs host memory ({HOST!r}), but the {device.platform} "
-            f"backend's devices offer only {kinds}; use offload=None on this backend."
-        )
-    return True
-
-
-def check_offload_chunk(offload_chunk: Any, *, offload: str | None) -> int:
-    """Validates ``ZeroOptimizer(offload_chunk=...)``; the elements per streamed chunk."""
-    if offload_chunk is None:
-        return DEFAULT_OFFLOAD_CHUNK
-    if offload is None:
-        raise ValueError(
-            f"offload_chunk={offload_chunk!r} only applies with offload='optimizer' (it "
-            "bounds the optimizer state streamed through the device); pass "
-            "offload='optimizer' too, or leave offload_chunk out."
-        )
-    if isinstance(offload_chunk, bool) or not isinstance(offload_chunk, int) or offload_chunk < 1:
-        raise ValueError(
-            f"offload_chunk must be a positive int (elements per streamed chunk), got "
-            f"{offload_chunk!r}; e.g. offload_chunk=2**24."
-        )
-    return offload_chunk
 
 
 def offloaded_update(

@@ -1,0 +1,190 @@
+"""The optimizer step on the host (``Offload(optimizer="host")``): ZeRO-Offload as run.
+
+ZeRO-Offload (Ren et al. 2021) and DeepSpeed's CPU Adam get their gain on one GPU by
+running the optimizer step on the host: the sharded Optax state and fp32 master weights
+rest in pinned host memory and never come to the device; only the gradient shards go
+down, in the reduce dtype, and the new parameters come up, in the parameter dtype. The
+device holds neither the state nor the master weights and does no optimizer work.
+
+Design (JAX 0.10, public API only): the Optax update is split as the streamed mode splits
+it (:func:`.split.split_update`): a global part (counters, a global gradient norm) and one
+bucket per parameter leaf. The global part runs on the device, on the fp32 gradients the
+step already holds for its metrics; its small results (scalars such as the clip factor or
+Adam's count) go down to host memory. Each bucket then runs as its own jitted function
+under ``jax.experimental.compute_on.compute_on("device_host")``: it reads its leaf's
+gradient shard (copied down with ``jax.device_put(g, jax.memory.Space.Host)``, in the
+dtype the gradients were reduced in), unpads and divides it there exactly as the step does
+on the device, evaluates the bucket's traced equations on the host-resident state and
+master weights, and writes the new state and master weights back in place in host memory;
+only the new parameter (cast to the parameter dtype) is copied up. A transformation that
+does not split (e.g. a clip of the *updates* after Adam) runs as one bucket, the whole
+update on the host.
+
+Overlap: the buckets have no data dependencies on one another, so XLA may copy leaf k+1's
+gradient down (and leaf k-1's parameter up) while the host updates leaf k; jzero forces no
+order. What runs where on a GPU: forward, backward, the gradient reduce-scatter, the global
+part and stage 1/2's parameter all-gather on the GPU; every bucket's update on the host
+CPU. A bucket whose update itself needs a collective (a factored moment over a sharded
+axis, e.g. Adafactor at N > 1) is a host computation with a collective, which XLA:GPU may
+not compile; on one GPU (the case ZeRO-Offload is for) there is none. This session had no
+GPU: on XLA:CPU the host and the device are the same memory and silicon, so the tests
+check placement by memory kind and numerics (bitwise those without offload), not speed.
+
+When each mode is faster: the host step moves about 2 + 2 bytes per parameter per step
+over PCIe (16-bit gradients down, 16-bit parameters up) but updates at the host's memory
+bandwidth; the streamed mode (``"stream"``) moves the whole state both ways (2·K bytes
+per parameter, K = 12 for Adam's master + two moments) and updates at the GPU's. With a
+fast link and a slow or busy host (few cores, other work) streaming wins; with a big
+state per GPU link (one GPU, large model), the host step moves about 6x less.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental.compute_on import compute_on
+
+from ...internal.equation import equations
+from ...internal.interpret import value as read
+from ..layout import unpad
+from ..placement import store, to_device, to_host, view
+from ..plan import Plan, Stored
+from ..precision import Precision
+from .split import Bucket, Split, evaluate, split_update
+
+
+class Gradients(NamedTuple):
+    """The step's gradients, in the two forms the host step reads."""
+
+    reduced: Any  # as reduced: stored (padded) shards, reduce dtype, device memory
+    denominator: jax.Array  # scalar the reduced sums are divided by (devices x micro-batches)
+    averaged: Any  # reduced / denominator, fp32, true shapes, device memory (global part)
+
+
+def host_update(
+    tx: optax.GradientTransformation,
+    precision: Precision,
+    plan: Plan,
+    grads: Gradients,
+    opt_state: Any,
+    weights: Any,
+    finite: jax.Array | None,
+) -> tuple[Any, Any, Any]:
+    """The Optax update run on the host, one parameter leaf at a time.
+
+    Args:
+        grads: the step's gradients (:class:`Gradients`).
+        opt_state: the stored Optax state (host memory).
+        weights: the stored fp32 master weights (host memory), or the stored fp32
+            parameters when there are no master weights (device memory: copied down).
+        finite: where False the old state is kept (non-finite gradients under loss
+            scaling, an invalid count); None: always updated.
+
+    Returns:
+        ``(params, opt_state, master)``: the new parameters (true shapes, parameter dtype,
+        device memory), the stored new Optax state and master weights (host memory; master
+        None without master weights).
+    """
+    split = split_update(tx, plan)
+    jaxpr = split.jaxpr.jaxpr
+    o, w = jax.tree.leaves(opt_state), jax.tree.leaves(weights)
+    n = len(plan.params)
+    env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
+    env |= dict(zip(jaxpr.invars[:n], jax.tree.leaves(grads.averaged)))
+    here = lambda j: view(to_device(plan, [o[j]], [plan.opt[j]]), [plan.opt[j]])[0]
+    env |= {jaxpr.invars[n + j]: here(j) for j in split.shared}
+    evaluate(split, split.first, env)  # on the device: counters, global norms
+    new_o, new_p, new_w = list(o), [None] * n, [None] * n
+    keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
+    for j in split.shared:
+        new = keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]])
+        new_o[j] = to_host(plan, store([new], [plan.opt[j]]), [plan.opt[j]])[0]
+    reduced = jax.tree.leaves(grads.reduced)
+    common = _down((grads.denominator, finite))
+    for b in split.buckets:
+        free = _free(split, b, plan)
+        ins = (
+            _down([reduced[i] for i in b.params]),
+            [o[j] for j in b.opt],
+            _down([w[i] for i in b.params]),
+            _down([env[v] for v in free]),
+        )
+        outs = _bucket_program(split, b, plan, precision, free, finite is not None)(*ins, *common)
+        for j, x in zip(b.opt, outs[0]):
+            new_o[j] = _at_rest(plan, x, plan.opt[j])
+        for i, x in zip(b.params, outs[1]):
+            new_w[i] = _at_rest(plan, x, plan.master[i])
+        for i, x in zip(b.params, outs[2]):
+            new_p[i] = jax.device_put(x, jax.memory.Space.Device)
+    master = None if plan.master is None else jax.tree.unflatten(plan.params_def, new_w)
+    return (
+        jax.tree.unflatten(plan.params_def, new_p),
+        jax.tree.unflatten(plan.opt_def, new_o),
+        master,
+    )
+
+
+def _down(xs: Any) -> Any:
+    """``xs`` (arrays, or None) in host memory (a copy for those on the device)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), xs)
+
+
+def _at_rest(plan: Plan, x: jax.Array, stored: Stored) -> jax.Array:
+    """A host bucket's output ``x`` with its planned sharding, in host memory."""
+    return jax.device_put(x, plan.compute_sharding(stored))
+
+
+def _free(split: Split, bucket: Bucket, plan: Plan) -> list[Any]:
+    """The variables ``bucket``'s equations read from outside it, other than its own
+    gradients, state and weights: the global part's results, constants, shared state."""
+    invars, n, m = split.jaxpr.jaxpr.invars, len(plan.params), len(plan.opt)
+    own = {invars[i] for i in bucket.params} | {invars[n + j] for j in bucket.opt}
+    own |= {invars[n + m + i] for i in bucket.params}
+    all_eqns = equations(split.jaxpr)
+    made, free = set(), []
+    for eqn in (all_eqns[e] for e in bucket.equations):
+        free += [v for v in eqn.variables if v not in made and v not in own and v not in free]
+        made.update(eqn.outputs)
+    return free
+
+
+def _bucket_program(
+    split: Split,
+    bucket: Bucket,
+    plan: Plan,
+    precision: Precision,
+    free: list[Any],
+    guarded: bool,
+) -> Any:
+    """The jitted host computation of one bucket: ``(reduced grads, stored state, stored
+    weights, free values, denominator, finite) -> (stored state, stored master, params)``."""
+    jaxpr, n, m = split.jaxpr.jaxpr, len(plan.params), len(plan.opt)
+    weights: tuple[Stored, ...] = plan.master or plan.params
+
+    def update(reduced, opt, w, values, denominator, finite):
+        keep = lambda new, old: jnp.where(finite, new, old) if guarded else new
+        env = dict(zip(free, values))
+        for i, g in zip(bucket.params, reduced):  # as the step averages them on the device
+            env[jaxpr.invars[i]] = unpad(g.astype(jnp.float32) / denominator, plan.params[i].layout)
+        for j, x in zip(bucket.opt, opt):
+            env[jaxpr.invars[n + j]] = view([x], [plan.opt[j]])[0]
+        for i, x in zip(bucket.params, w):
+            env[jaxpr.invars[n + m + i]] = view([x], [weights[i]])[0]
+        evaluate(split, bucket.equations, env)
+        new_opt = []
+        for j in bucket.opt:
+            new = keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]])
+            new_opt.append(store([new], [plan.opt[j]])[0])
+        new_master, new_params = [], []
+        for i in bucket.params:
+            old = env[jaxpr.invars[n + m + i]]
+            new = keep(optax.apply_updates(old, read(env, jaxpr.outvars[i])), old)
+            if plan.master is not None:
+                new_master.append(store([new], [plan.master[i]])[0])
+            new_params.append(precision.cast(new))
+        return new_opt, new_master, new_params
+
+    return compute_on("device_host")(jax.jit(update, donate_argnums=(1,)))
