@@ -74,7 +74,7 @@ def _full(opt, state):
     return full.params, full.opt_state, full.master
 
 
-@pytest.mark.parametrize("optimizer", [None, "stream"])
+@pytest.mark.parametrize("optimizer", [None, "stream", "host"])
 def test_sharded_parameters_and_master_rest_on_the_host(optimizer):
     opt, at_init, state, _ = _run("adam", BF16, True, optimizer)
     planned = {"emb": HOST, "w1": HOST, "b1": HOST, "w2": HOST, "b2": HOST, "s": "device"}
@@ -103,6 +103,7 @@ def test_sharded_parameters_and_master_rest_on_the_host(optimizer):
         ("adafactor", BF16, None),
         ("adam", BF16, "stream"),
         ("clip_adamw", FP32, "stream"),
+        ("clip_adamw", BF16, "host"),
     ],
 )
 def test_numerics_are_those_of_the_run_without_offload(tx, precision, optimizer):
@@ -173,7 +174,9 @@ def test_every_gather_in_the_layer_loops_copies_its_shards_in_first(mode):
     state, batch = opt.init(stacked_params()), stacked_batch()
     step = opt.train_step(loss_fn, **options)
     jaxpr = jax.make_jaxpr(step)(state, batch)
-    loops = [e.jaxpr_eqn.params["jaxpr"] for e in walk(jaxpr) if e.jaxpr_eqn.primitive.name == "scan"]
+    loops = [
+        e.jaxpr_eqn.params["jaxpr"] for e in walk(jaxpr) if e.jaxpr_eqn.primitive.name == "scan"
+    ]
     gathering = [body for body in loops if _count(body, _gathers)]
     # Forward's loop and backward's each gather layer by layer, and every one of those
     # gathers copies the layer's shards in from host memory first (bucketed: one flat
