@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,11 @@ def saves_no_gathered(policy: Callable[..., Any]) -> Callable[..., Any]:
     return combined
 
 
+def in_host_memory(x: Any) -> bool:
+    """Whether the (traced) array ``x`` is in host memory, e.g. an offloaded shard."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
 def on_device(x: jax.Array) -> jax.Array:
     """``x`` in the device's own memory: a host -> device copy where ``x`` rests in host
     memory (stage 3's parameter shards with ``Offload(params=True)``), else ``x`` itself.
@@ -88,12 +93,12 @@ def on_device(x: jax.Array) -> jax.Array:
     so backward copies the shard in again where it gathers again: the device never keeps
     a copy of an offloaded shard between forward and backward.
     """
-    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+    if in_host_memory(x):
         return jax.device_put(x, jax.memory.Space.Device)
     return x
 
 
-def after(tree: Any, dep: Any, *, only: str | None = None) -> Any:
+def after(tree: Any, dep: Any, *, only: Literal["host", "device"] | None = None) -> Any:
     """``tree`` unchanged bit for bit, but data-dependent on every float leaf of ``dep``.
 
     An ordering constraint that survives XLA:CPU, whose pipeline drops optimization
@@ -115,7 +120,7 @@ def after(tree: Any, dep: Any, *, only: str | None = None) -> Any:
     def tie(a):
         if not jnp.issubdtype(a.dtype, jnp.inexact) or not varying_axes(zero) <= varying_axes(a):
             return a
-        host = jax.typeof(a).memory_space == jax.memory.Space.Host
+        host = in_host_memory(a)
         if only is not None and only != ("host" if host else "device"):
             return a
         if host:

@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..comm.collectives import GATHERED, Sharded, after, gather, saves_no_gathered
+from ..comm.collectives import (
+    GATHERED,
+    Sharded,
+    after,
+    gather,
+    in_host_memory,
+    saves_no_gathered,
+)
 
 
 def _gathers(params: Any) -> bool:
@@ -43,8 +50,7 @@ def _typed_like(cts: tuple, primals: tuple) -> tuple:
     host memory."""
 
     def like(ct: Any, x: Any) -> Any:
-        host = jax.typeof(x).memory_space == jax.memory.Space.Host
-        return jax.device_put(ct, jax.memory.Space.Host) if host else ct
+        return jax.device_put(ct, jax.memory.Space.Host) if in_host_memory(x) else ct
 
     return jax.tree.map(like, cts, primals)
 
