@@ -26,7 +26,7 @@ With ``--checkpoint-dir`` it saves a :class:`jzero.Checkpointer` checkpoint ever
 
 ``--offload`` keeps the sharded optimizer state and fp32 master weights in pinned host
 memory (``ZeroOptimizer(offload="optimizer")``), ``--grad-quant int8|int4`` reduce-scatters
-the gradients quantized (``Precision(grad_quant=...)``, ZeRO++ qgZ); both need stage 1-3.
+the gradients quantized (``Communication(grad_quant=...)``, ZeRO++ qgZ); both need stage 1-3.
 
 With ``--deepspeed-config PATH`` a DeepSpeed JSON config (``jzero.from_deepspeed_config``)
 sets the stage, the precision (gradient quantization included), the offload, the optimizer
@@ -223,7 +223,7 @@ def apply_deepspeed_config(parser, args, argv, n_devices: int):
             f"drop {flag} or edit the config"
         )
     args.stage, args.offload = ds.stage, ds.offload is not None
-    args.grad_quant = ds.precision.grad_quant
+    args.grad_quant = ds.comm.grad_quant
     args.precision = {"float16": "fp16", "bfloat16": "bf16"}.get(
         ds.precision.param_dtype.name, "fp32"
     )
@@ -235,10 +235,8 @@ def apply_deepspeed_config(parser, args, argv, n_devices: int):
 
 
 def run_precision(args, ds=None) -> jzero.Precision:
-    """``--precision`` with ``--grad-quant``, or the DeepSpeed config's precision."""
-    if ds is not None:
-        return ds.precision
-    return dataclasses.replace(PRECISIONS[args.precision], grad_quant=args.grad_quant)
+    """``--precision``, or the DeepSpeed config's precision."""
+    return ds.precision if ds is not None else PRECISIONS[args.precision]
 
 
 def make_optimizer(args, mesh, ds=None):
@@ -251,8 +249,9 @@ def make_optimizer(args, mesh, ds=None):
     if ds is None:
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
         offload = "optimizer" if args.offload else None
+        comm = jzero.Communication(grad_quant=args.grad_quant)
         opt = jzero.ZeroOptimizer(
-            tx, mesh, stage=args.stage, precision=run_precision(args), offload=offload
+            tx, mesh, stage=args.stage, precision=run_precision(args), comm=comm, offload=offload
         )
         return opt, schedule
     if ds.learning_rate is not None:

@@ -1,9 +1,10 @@
 """jzero: ZeRO (Zero Redundancy Optimizer, stages 0-3) for JAX and Optax.
 
-Layout of the package: ``jzero.core`` (mesh, plan/layout, collectives, placement, step,
-precision, remat), ``jzero.adapters`` (the Flax adapters, published as ``jzero.linen`` and
-``jzero.nnx``), ``jzero.accounting`` (estimates, HLO collectives, report),
-``jzero.checkpoint`` (Orbax checkpoints, safetensors export) and ``jzero.cli``.
+Layout of the package: ``jzero.core`` (mesh, plan and leaf layouts, collectives, stored
+form, train step, precision, communication, remat), ``jzero.adapters`` (the Flax adapters,
+published as ``jzero.linen`` and ``jzero.nnx``), ``jzero.accounting`` (estimates, HLO
+collectives, report), ``jzero.checkpoint`` (Orbax checkpoints, safetensors export) and
+``jzero.cli``.
 """
 
 from jzero import checkpoint as checkpoint
@@ -20,15 +21,17 @@ from .checkpoint import Checkpointer as Checkpointer
 from .config.deepspeed import from_deepspeed_config as from_deepspeed_config
 from .core.comm.collectives import Sharded as Sharded
 from .core.comm.collectives import gather as gather
+from .core.communication import Communication as Communication
 from .core.gather.remat import remat_layer as remat_layer
-from .core.layout import LeafLayout as LeafLayout
+from .core.leaf_layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
 from .core.mesh import hybrid_mesh as hybrid_mesh
 from .core.offload.options import Offload as Offload
 from .core.optimizer import ZeroOptimizer as ZeroOptimizer
 from .core.plan import Plan as Plan
 from .core.precision import Precision as Precision
-from .core.state import ZeroState as ZeroState
+from .core.step_options import StepOptions as StepOptions
 from .core.weighted import Weighted as Weighted
+from .core.zero_state import ZeroState as ZeroState
 
 __version__ = "0.1.0"

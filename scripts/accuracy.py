@@ -6,11 +6,11 @@ with ``examples/train_lm.py``'s optimizer (``--optimizer``: clipped AdamW on a w
 cosine decay, or constant-rate AdamW, or SGD with momentum), once per seed and variant:
 
 - ``exact``: fp32 all-gathers and reduce-scatters, the reference;
-- ``int8_gather``: ``Precision(gather_quant="int8")`` (ZeRO++'s qwZ);
-- ``fp8_gather``: ``Precision(gather_quant="fp8")`` (float8_e4m3fn, the same bytes);
-- ``int8_grad`` / ``int4_grad``: ``Precision(grad_quant=...)`` (ZeRO++'s qgZ);
+- ``int8_gather``: ``Communication(gather_quant="int8")`` (ZeRO++'s qwZ);
+- ``fp8_gather``: ``Communication(gather_quant="fp8")`` (float8_e4m3fn, the same bytes);
+- ``int8_grad`` / ``int4_grad``: ``Communication(grad_quant=...)`` (ZeRO++'s qgZ);
 - ``offload``: ``offload="optimizer"`` (the same update equations, run leaf by leaf);
-- ``prefetch``: ``train_step(..., manual_gather=False, prefetch=True)`` (the same
+- ``prefetch``: ``Communication(prefetch=True)`` with ``manual_gather=False`` (the same
   arithmetic gathered another way: only summation orders may change).
 
 Every variant uses the same seeds; seed ``s`` draws the initial parameters from
@@ -37,7 +37,6 @@ the JSON also records the corpus's size and SHA-256, so rerun it when examples/d
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import hashlib
 import json
@@ -57,6 +56,9 @@ import jzero
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import data  # noqa: E402  (examples/data.py: bytes of a small public-domain corpus)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (scripts/bench.py: option objects as JSON)
 import gpt  # noqa: E402  (examples/gpt.py)
 
 
@@ -98,12 +100,12 @@ OPTIMIZERS = {
 MANUAL = {"manual_gather": True}
 VARIANTS = (
     Variant("exact", {}, MANUAL),
-    Variant("int8_gather", {"precision": jzero.Precision(gather_quant="int8")}, MANUAL),
-    Variant("fp8_gather", {"precision": jzero.Precision(gather_quant="fp8")}, MANUAL),
-    Variant("int8_grad", {"precision": jzero.Precision(grad_quant="int8")}, MANUAL),
-    Variant("int4_grad", {"precision": jzero.Precision(grad_quant="int4")}, MANUAL),
+    Variant("int8_gather", {"comm": jzero.Communication(gather_quant="int8")}, MANUAL),
+    Variant("fp8_gather", {"comm": jzero.Communication(gather_quant="fp8")}, MANUAL),
+    Variant("int8_grad", {"comm": jzero.Communication(grad_quant="int8")}, MANUAL),
+    Variant("int4_grad", {"comm": jzero.Communication(grad_quant="int4")}, MANUAL),
     Variant("offload", {"offload": "optimizer"}, MANUAL),
-    Variant("prefetch", {}, {"manual_gather": False, "prefetch": True}),
+    Variant("prefetch", {"comm": jzero.Communication(prefetch=True)}, {"manual_gather": False}),
 )
 
 
@@ -182,18 +184,8 @@ def summary(curves: list[list[float]], exact: list[list[float]], last: int) -> d
 
 
 def json_options(variant: Variant) -> dict[str, Any]:
-    """The variant's keywords, JSON-able: a Precision as its non-default fields."""
-    out: dict[str, Any] = dict(variant.step_options)
-    for key, value in variant.opt_options.items():
-        if isinstance(value, jzero.Precision):
-            default = jzero.Precision()
-            value = {
-                f.name: getattr(value, f.name)
-                for f in dataclasses.fields(value)
-                if getattr(value, f.name) != getattr(default, f.name)
-            }
-        out[key] = value
-    return out
+    """The variant's keywords, JSON-able: option objects as their non-default fields."""
+    return bench.json_options(variant.step_options, variant.opt_options)
 
 
 def cpu_name() -> str:

@@ -1,11 +1,11 @@
 """Benchmark: ZeRO stages 0-3 and a plain-``jit`` FSDP baseline on the same GPT-style model.
 
 Trains the model of ``examples/gpt.py`` under DP (stage 0), ZeRO stages 1-3 (jzero,
-``manual_gather=True``), six more stage-3 runs (``zero3_bucket``: ``bucket=True``, one
-flat collective per layer; ``zero3_auto``: ``manual_gather=False``, the step gathering per
-layer by itself; ``zero3_prefetch``: that with ``prefetch=True``; ``zero3_int8``:
-``Precision(gather_quant="int8")``, int8 all-gathers with fp32 block scales;
-``zero3_qgz``: ``Precision(grad_quant="int8")``, gradient reduce-scatters as int8
+``manual_gather=True``), six more stage-3 runs (``zero3_bucket``: ``Communication(bucket=True)``,
+one flat collective per layer; ``zero3_auto``: ``manual_gather=False``, the step gathering per
+layer by itself; ``zero3_prefetch``: that with ``Communication(prefetch=True)``;
+``zero3_int8``: ``Communication(gather_quant="int8")``, int8 all-gathers with fp32 block scales;
+``zero3_qgz``: ``Communication(grad_quant="int8")``, gradient reduce-scatters as int8
 all-to-alls with fp32 block scales; ``zero3_offload``: ``offload="optimizer"``, optimizer
 state in ``pinned_host``) and ``auto_fsdp`` (``jax.jit`` with parameters and optimizer
 state given ``NamedSharding``s over 'data', XLA choosing the collectives), with the same
@@ -63,7 +63,7 @@ Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Fiel
 - ``collectives_per_step``: the HLO collectives times their trip counts, a combined
   (tuple-shaped) one counted once. ``options``: the run's ``train_step`` keywords
   (``manual_gather``, ``bucket``, ``prefetch``) and any ``ZeroOptimizer`` keywords it adds
-  (``precision``: the fields that differ from ``Precision()``, with ``quant_block`` when
+  (``precision``, ``comm``: the fields that differ from their defaults, with ``quant_block`` when
   it quantizes; ``offload``); ``{}`` for ``auto_fsdp``.
 - ``host_bytes_per_device``: the live params + optimizer state + master weights resting
   outside device memory (``report(...).bytes_by_memory_kind``; 0 when none).
@@ -124,21 +124,22 @@ class Run(NamedTuple):
     opt_options: dict[str, Any] = {}  # ZeroOptimizer keywords beyond tx, mesh, stage
 
 
-def _opts(*, manual_gather: bool, bucket: bool = False, prefetch: bool = False) -> dict[str, bool]:
-    return {"manual_gather": manual_gather, "bucket": bucket, "prefetch": prefetch}
+def _comm(**fields: Any) -> dict[str, jzero.Communication]:
+    return {"comm": jzero.Communication(**fields)}
 
 
-MANUAL = _opts(manual_gather=True)
+MANUAL = {"manual_gather": True}
+AUTO = {"manual_gather": False}
 RUNS = (
     Run("dp", 0, MANUAL),
     Run("zero1", 1, MANUAL),
     Run("zero2", 2, MANUAL),
     Run("zero3", 3, MANUAL),
-    Run("zero3_bucket", 3, _opts(manual_gather=True, bucket=True)),
-    Run("zero3_auto", 3, _opts(manual_gather=False)),
-    Run("zero3_prefetch", 3, _opts(manual_gather=False, prefetch=True)),
-    Run("zero3_int8", 3, MANUAL, {"precision": jzero.Precision(gather_quant="int8")}),
-    Run("zero3_qgz", 3, MANUAL, {"precision": jzero.Precision(grad_quant="int8")}),
+    Run("zero3_bucket", 3, MANUAL, _comm(bucket=True)),
+    Run("zero3_auto", 3, AUTO),
+    Run("zero3_prefetch", 3, AUTO, _comm(prefetch=True)),
+    Run("zero3_int8", 3, MANUAL, _comm(gather_quant="int8")),
+    Run("zero3_qgz", 3, MANUAL, _comm(grad_quant="int8")),
     Run("zero3_offload", 3, MANUAL, {"offload": "optimizer"}),
     Run("auto_fsdp", 3, None),
 )
@@ -294,17 +295,24 @@ def _count(colls: list[Collective]) -> int:
 
 
 def _json_options(run: Run) -> dict[str, Any]:
-    """The run's train_step and ZeroOptimizer keywords, JSON-able: a ``Precision`` as its
-    fields that differ from ``Precision()`` (with ``quant_block`` when it quantizes)."""
-    out: dict[str, Any] = dict(run.step_options or {})
-    for key, value in run.opt_options.items():
-        if isinstance(value, jzero.Precision):
-            default = jzero.Precision()
+    """The run's train_step and ZeroOptimizer keywords, JSON-able (:func:`json_options`)."""
+    return json_options(run.step_options or {}, run.opt_options)
+
+
+def json_options(step_options: dict[str, Any], opt_options: dict[str, Any]) -> dict[str, Any]:
+    """train_step and ZeroOptimizer keywords, JSON-able: a ``Precision`` or
+    ``Communication`` as its fields that differ from the default (with ``quant_block`` when
+    it quantizes)."""
+    out: dict[str, Any] = dict(step_options)
+    for key, value in opt_options.items():
+        if dataclasses.is_dataclass(value):
+            default = type(value)()
+            quantizes = getattr(value, "gather_quant", None) or getattr(value, "grad_quant", None)
             diff = {
                 f.name: getattr(value, f.name)
                 for f in dataclasses.fields(value)
                 if getattr(value, f.name) != getattr(default, f.name)
-                or (f.name == "quant_block" and (value.gather_quant or value.grad_quant))
+                or (f.name == "quant_block" and quantizes)
             }
             value = {k: v.name if isinstance(v, np.dtype) else v for k, v in diff.items()}
         out[key] = value

@@ -61,11 +61,11 @@ def _init() -> Any:
 
 
 @functools.cache
-def lm_losses(precision: jzero.Precision) -> list[float]:
+def lm_losses(comm: jzero.Communication) -> list[float]:
     """Every step's loss of an LM_STEPS-step :func:`adamw` run: stage 3 on the data mesh,
     every leaf sharded, seed 0."""
     mesh = jzero.data_mesh()
-    opt = jzero.ZeroOptimizer(adamw(), mesh, stage=3, precision=precision, min_shard_size=1)
+    opt = jzero.ZeroOptimizer(adamw(), mesh, stage=3, comm=comm, min_shard_size=1)
     state = opt.init(init_fn=_init)
     step = opt.train_step(loss_fn, manual_gather=True)
     losses = []
@@ -101,11 +101,11 @@ def exact_snapshot(at: int) -> tuple[Any, dict[str, np.ndarray]]:
 
 
 @functools.cache
-def sgd_step(precision: jzero.Precision):
+def sgd_step(comm: jzero.Communication):
     """``(opt, step)``: stage 3 with ``optax.sgd(1.0)``, whose update is the reduced
     gradient itself (new params = params - gradient), not donating its input."""
     opt = jzero.ZeroOptimizer(
-        optax.sgd(1.0), jzero.data_mesh(), stage=3, precision=precision, min_shard_size=1
+        optax.sgd(1.0), jzero.data_mesh(), stage=3, comm=comm, min_shard_size=1
     )
     return opt, opt.train_step(loss_fn, manual_gather=True, donate=False)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The training runs of mp_worker.py's "train" mode: name -> (stage, Precision keywords).
+# The training runs of mp_worker.py's "train" mode: name -> (stage, Communication keywords).
 # "3-int8": ZeRO++'s int8 all-gathers (qwZ) and int8 gradient all-to-alls (qgZ) crossing
 # processes.
 TRAIN_RUNS = {

@@ -44,11 +44,9 @@ def expect_error(fn, text):
 
 if MODE == "train":
     out = {"losses": {}, "params": {}, "errors": []}
-    for name, (stage, precision) in TRAIN_RUNS.items():
-        precision = jzero.Precision(**precision)
-        opt = jzero.ZeroOptimizer(
-            optax.adam(1e-2), mesh, stage=stage, min_shard_size=1, precision=precision
-        )
+    for name, (stage, comm) in TRAIN_RUNS.items():
+        comm = jzero.Communication(**comm)
+        opt = jzero.ZeroOptimizer(optax.adam(1e-2), mesh, stage=stage, min_shard_size=1, comm=comm)
         state, step = opt.init(awkward_params()), opt.train_step(awkward_loss)
         losses = []
         for batch in awkward_batches(3, batch_size=16):

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jzero
-from jzero.core.layout import DEFAULT_MIN_SHARD_SIZE
+from jzero.core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 
 D, BATCH = 16, 16
 BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
@@ -130,7 +130,7 @@ def test_min_shard_size_default_and_passed_through(make):
 def test_both_steps_refuse_a_consumed_state_and_lower(make, loss):
     state, _ = make(2)
     step = state.train_step(loss, has_aux=True)
-    assert type(step) is jzero.adapters.step.AdapterStep
+    assert type(step) is jzero.adapters.adapter_step.AdapterStep
     hlo = step.lower(state, batch()).compile().as_text()
     assert "reduce-scatter" in hlo
     new, _ = step(state, batch())

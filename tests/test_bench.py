@@ -25,17 +25,17 @@ RUN_NAMES = [
     "zero3_int8", "zero3_qgz", "zero3_offload", "auto_fsdp",
 ]  # fmt: skip
 RUN_STAGES = [0, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3]
-MANUAL = {"manual_gather": True, "bucket": False, "prefetch": False}
+MANUAL = {"manual_gather": True}
 RUN_OPTIONS = {  # train_step (and ZeroOptimizer) keywords of each run; auto_fsdp: plain jit
     "dp": MANUAL,
     "zero1": MANUAL,
     "zero2": MANUAL,
     "zero3": MANUAL,
-    "zero3_bucket": {**MANUAL, "bucket": True},
-    "zero3_auto": {**MANUAL, "manual_gather": False},
-    "zero3_prefetch": {"manual_gather": False, "bucket": False, "prefetch": True},
-    "zero3_int8": {**MANUAL, "precision": {"gather_quant": "int8", "quant_block": 256}},
-    "zero3_qgz": {**MANUAL, "precision": {"grad_quant": "int8", "quant_block": 256}},
+    "zero3_bucket": {**MANUAL, "comm": {"bucket": True}},
+    "zero3_auto": {"manual_gather": False},
+    "zero3_prefetch": {"manual_gather": False, "comm": {"prefetch": True}},
+    "zero3_int8": {**MANUAL, "comm": {"gather_quant": "int8", "quant_block": 256}},
+    "zero3_qgz": {**MANUAL, "comm": {"grad_quant": "int8", "quant_block": 256}},
     "zero3_offload": {**MANUAL, "offload": "optimizer"},
     "auto_fsdp": {},
 }
@@ -317,9 +317,9 @@ def test_zero3_qgz_run_and_its_targets():
     bench = _load_bench()
     run = {r.name: r for r in bench.RUNS}["zero3_qgz"]
     assert run.stage == 3 and run.step_options == MANUAL
-    assert run.opt_options == {"precision": jzero.Precision(grad_quant="int8")}
+    assert run.opt_options == {"comm": jzero.Communication(grad_quant="int8")}
     assert "zero3_qgz" in bench.ZERO3_VARIANTS  # its final loss is checked against zero3's
-    tol, block = bench.LOSS_TOL["zero3_qgz"], jzero.Precision().quant_block
+    tol, block = bench.LOSS_TOL["zero3_qgz"], jzero.Communication().quant_block
     rs = 4.0 * 2**20
     theory = {"s8": rs / 4, "f32": rs / 4 / block * 4}  # a byte per element, 4 per block
     for quick in (False, True):
@@ -553,11 +553,11 @@ def _check_accuracy(result: dict, *, seeds: int, steps: int) -> None:
         assert 0 <= v["curves_equal_exact"] <= seeds and v["seconds"] > 0
     assert exact["rel_diff"] == [0.0] * seeds and exact["curves_equal_exact"] == seeds
     options = {v["name"]: v["options"] for v in result["variants"]}
-    assert options["int8_gather"] == {"manual_gather": True, "precision": {"gather_quant": "int8"}}
-    assert options["fp8_gather"] == {"manual_gather": True, "precision": {"gather_quant": "fp8"}}
-    assert options["int4_grad"] == {"manual_gather": True, "precision": {"grad_quant": "int4"}}
+    assert options["int8_gather"] == {"manual_gather": True, "comm": {"gather_quant": "int8"}}
+    assert options["fp8_gather"] == {"manual_gather": True, "comm": {"gather_quant": "fp8"}}
+    assert options["int4_grad"] == {"manual_gather": True, "comm": {"grad_quant": "int4"}}
     assert options["offload"] == {"manual_gather": True, "offload": "optimizer"}
-    assert options["prefetch"] == {"manual_gather": False, "prefetch": True}
+    assert options["prefetch"] == {"manual_gather": False, "comm": {"prefetch": True}}
 
 
 @pytest.mark.slow

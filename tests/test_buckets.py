@@ -1,4 +1,5 @@
-"""Buckets: a layer's leaves in one flat all-gather / reduce-scatter (``bucket=True``).
+"""Buckets: a layer's leaves in one flat all-gather / reduce-scatter
+(``Communication(bucket=True)``).
 
 The flat collectives equal the per-leaf ones bit for bit (padding included); a bucketed
 stage-2/3 step issues one all-gather and one reduce-scatter per layer and dtype instead of
@@ -21,7 +22,7 @@ import jzero
 from jzero.accounting import collectives
 from jzero.core.comm.buckets import all_gather_flat, reduce_scatter_flat
 from jzero.core.comm.collectives import all_gather, reduce_scatter
-from jzero.core.layout import leaf_layout
+from jzero.core.leaf_layout import leaf_layout
 
 N = 8
 SHAPES = [(16, 24), (24,), (5, 3), (7,), (4, 9, 16), (3, 10)]  # some padded, dims 0/1/2
@@ -112,9 +113,10 @@ def _batches(steps=3):
 def _run(stage: int, bucket: bool):
     """Stage 2 gathers per layer by hand (``jzero.gather`` in the scan body); stage 3 by
     default (the step gathers each scan step's slices)."""
-    opt = jzero.ZeroOptimizer(optax.adam(1e-3, eps=1e-4), jzero.data_mesh(), stage=stage)
+    comm = jzero.Communication(bucket=bucket)
+    opt = jzero.ZeroOptimizer(optax.adam(1e-3, eps=1e-4), jzero.data_mesh(), stage=stage, comm=comm)
     state = opt.init(_params())
-    step = opt.train_step(_loss, bucket=bucket, manual_gather=stage == 2)
+    step = opt.train_step(_loss, manual_gather=stage == 2)
     hlo = step.lower(state, _batches(1)[0]).compile().as_text()
     losses = []
     for batch in _batches():

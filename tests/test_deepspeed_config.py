@@ -31,7 +31,8 @@ EXAMPLES = {
 
 # The Hugging Face Trainer's ZeRO-2 config, vendored unchanged (tests/vendor/.../SOURCE.md).
 HF_ZERO2 = Path(__file__).parent / "vendor" / "transformers_deepspeed" / "ds_config_zero2.json"
-OFFLOAD = jzero.Offload(optimizer="stream")  # what offload_optimizer {"device": "cpu"} maps to
+# What offload_optimizer {"device": "cpu"} maps to: DeepSpeed runs the step on the CPU too.
+OFFLOAD = jzero.Offload(optimizer="host")
 
 HF_AUTO = (  # its "auto" keys, by dotted path, in sorted order
     "bf16.enabled",
@@ -680,7 +681,7 @@ def test_main_job_takes_offload_and_gradient_quantization_from_the_config(tmp_pa
     assert (args.stage, args.offload, args.grad_quant) == (3, True, "int8")
     opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
     assert (opt.stage, opt.offload, opt.precision) == (3, OFFLOAD, ds.precision)
-    assert opt.precision.grad_quant == "int8"
+    assert opt.comm.grad_quant == "int8"
 
 
 # ------------------------------------------------------------------ offload and ZeRO++
@@ -701,12 +702,17 @@ def test_optimizer_offload_to_the_cpu_is_offload_optimizer(stage, name):
     assert (opt.stage, opt.offload) == (stage, OFFLOAD)
 
 
-def test_sub_group_size_bounds_the_offloaded_chunks():
+def test_sub_group_size_is_noted_the_host_step_has_no_chunks():
     zero = {"stage": 3, "sub_group_size": 1e6, **OFFLOADED["cpu"]}  # JSON's 1e6 is 10**6
-    ds = load({"zero_optimization": zero})
-    assert ds.offload == jzero.Offload(optimizer="stream", chunk=10**6)
-    assert ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1)).offload.chunk == 10**6
-    assert load({"zero_optimization": {"stage": 3, **OFFLOADED["cpu"]}}).offload.chunk is None
+    why = (
+        "sub_group_size: the offloaded update runs on the host one whole leaf at a time (to "
+        "bound a state streamed through the accelerator instead, use "
+        "jzero.Offload(optimizer='stream', chunk=...))"
+    )
+    with pytest.warns(DeepSpeedConfigWarning, match=re.escape(why)):
+        ds = jzero.from_deepspeed_config({"zero_optimization": zero})
+    assert ds.offload == OFFLOAD
+    assert ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1)).offload == OFFLOAD
     with pytest.warns(DeepSpeedConfigWarning, match="sub_group_size: without optimizer offload"):
         ds = jzero.from_deepspeed_config({"zero_optimization": {"stage": 3, "sub_group_size": 8}})
     assert ds.offload is None and ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
@@ -742,11 +748,11 @@ def test_offload_knobs_are_warned_with_why():
     at = "zero_optimization.offload_optimizer"
     nvme = "it configures NVMe offload; jzero offloads to host memory only"
     assert set(str(warning.message).splitlines()[1:]) == {
-        "  zero_force_ds_cpu_optimizer: jzero has no CPU optimizer: an offloaded optimizer "
-        "state is updated on the accelerator",
+        "  zero_force_ds_cpu_optimizer: with offload_optimizer on the CPU jzero runs any "
+        "Optax update on the host",
         "  zero_optimization.round_robin_gradients: it spreads DeepSpeed's copies of the "
-        "gradients to CPU memory over the ranks; jzero keeps gradients on the accelerator "
-        "(offload moves the optimizer state only)",
+        "gradients to CPU memory over the ranks; in jzero each device copies down only its "
+        "own gradient shards",
         f"  {at}.pin_memory: jzero always keeps offloaded state in pinned (page-locked) host "
         "memory",
         f"  {at}.buffer_count: {nvme}",
@@ -830,23 +836,23 @@ def test_offload_and_zero_plus_plus_refusals_say_why(zero, error):
 
 def test_zero_plus_plus_quantized_weights_map_to_int8_gathers():
     ds = load({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
-    assert ds.stage == 3 and ds.precision == jzero.Precision(gather_quant="int8")
+    assert ds.stage == 3 and ds.comm == jzero.Communication(gather_quant="int8")
+    assert ds.precision == jzero.Precision()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_plus_plus_quantized_gradients_map_to_int8_reduce_scatters(stage):
     ds = load({"zero_optimization": {"stage": stage, "zero_quantized_gradients": True}})
-    assert ds.stage == stage and ds.precision == jzero.Precision(grad_quant="int8")
+    assert ds.stage == stage and ds.comm == jzero.Communication(grad_quant="int8")
     opt = ds.optimizer(jzero.data_mesh(), tx=optax.sgd(0.1))
-    assert opt.precision.grad_quant == "int8"
+    assert opt.comm.grad_quant == "int8"
 
 
 def test_zero_plus_plus_weights_and_gradients_together():
     zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
     ds = load({"bf16": {"enabled": True}, "zero_optimization": zero})
-    assert ds.precision == jzero.Precision(
-        param_dtype=jnp.bfloat16, gather_quant="int8", grad_quant="int8"
-    )
+    assert ds.precision == jzero.Precision(param_dtype=jnp.bfloat16)
+    assert ds.comm == jzero.Communication(gather_quant="int8", grad_quant="int8")
 
 
 def test_optimizer_offloaded_by_the_config_trains_as_single_device_optax():
@@ -874,12 +880,8 @@ def test_optimizer_offloaded_by_the_config_trains_as_single_device_optax():
     [
         ({"offload_param": {"device": "cpu", "pin_memory": True}}, jzero.Offload(params=True)),
         (
-            {
-                "offload_param": {"device": "cpu"},
-                "offload_optimizer": {"device": "cpu"},
-                "sub_group_size": 1000,
-            },
-            jzero.Offload(optimizer="stream", params=True, chunk=1000),
+            {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            jzero.Offload(optimizer="host", params=True),
         ),
     ],
 )

@@ -1,4 +1,4 @@
-"""fp8 stage-3 all-gathers (``Precision(gather_quant='fp8')``: float8_e4m3fn values with
+"""fp8 stage-3 all-gathers (``Communication(gather_quant='fp8')``: float8_e4m3fn values with
 one fp32 scale ``absmax / 448`` per block).
 
 Each element round-trips within half e4m3's spacing at ``|x| / scale`` (checked element by
@@ -16,6 +16,7 @@ the final loss over seeds).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -41,10 +42,10 @@ import jzero
 from jzero.accounting import collectives, comm_bytes
 from jzero.core.comm.collectives import all_gather
 from jzero.core.comm.quantize import Quant, dequantize, quantize, quantized_all_gather
-from jzero.core.layout import leaf_layout
+from jzero.core.leaf_layout import leaf_layout
 
 N = 8
-FP8 = jzero.Precision(gather_quant="fp8")
+FP8 = jzero.Communication(gather_quant="fp8")
 BLOCK = FP8.quant_block  # 256, the default
 SUBNORMAL = 2.0**-6  # e4m3's smallest normal: |x| / scale below it is subnormal
 
@@ -182,10 +183,11 @@ def test_fp8_all_gather_sends_each_shard_roundtripped():
 
 
 def _step(param_dtype, gather_quant):
-    precision = jzero.Precision(
-        param_dtype=param_dtype, reduce_dtype=jnp.float32, gather_quant=gather_quant
+    precision = jzero.Precision(param_dtype=param_dtype, reduce_dtype=jnp.float32)
+    comm = jzero.Communication(gather_quant=gather_quant)
+    opt = jzero.ZeroOptimizer(
+        optax.sgd(1e-2), jzero.data_mesh(), stage=3, precision=precision, comm=comm
     )
-    opt = jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=3, precision=precision)
     return opt.train_step(stacked_loss), opt.init(stacked_params())
 
 
@@ -272,8 +274,8 @@ def remat_loss(params, batch):
 # prefetched, a manual whole-leaf jzero.gather of awkward (padded) leaves, and remat_layer.
 PATHS = {
     "default": (stacked_params, stacked_loss, stacked_batch, {}),
-    "bucket": (stacked_params, stacked_loss, stacked_batch, {"bucket": True}),
-    "prefetch": (stacked_params, stacked_loss, stacked_batch, {"prefetch": True}),
+    "bucket": (stacked_params, stacked_loss, stacked_batch, {"comm": {"bucket": True}}),
+    "prefetch": (stacked_params, stacked_loss, stacked_batch, {"comm": {"prefetch": True}}),
     "manual": (
         awkward_params,
         awkward_loss,
@@ -304,8 +306,10 @@ def test_every_path_steps_at_the_dequantized_params_within_the_bound(path):
     bound of w, so each step's loss L(ŵ) is within the first-order bound
     sum |grad L(w)| * bound of the exact loss L(w); and the run trains."""
     init, loss_fn, batch_fn, options = PATHS[path]
+    options = dict(options)
+    comm = dataclasses.replace(FP8, **options.pop("comm", {}))
     opt = jzero.ZeroOptimizer(
-        optax.sgd(LR), jzero.data_mesh(), stage=3, precision=FP8, min_shard_size=1
+        optax.sgd(LR), jzero.data_mesh(), stage=3, comm=comm, min_shard_size=1
     )
     step = opt.train_step(loss_fn, donate=False, **options)
     value_and_grad = jax.jit(jax.value_and_grad(loss_fn))  # one device, the whole batch
@@ -366,15 +370,15 @@ def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at
     "value", ["fp4", "e4m3", "float8_e4m3fn", jnp.float8_e4m3fn, np.dtype("int8")]
 )
 def test_bad_gather_quant_is_refused(value):
-    with pytest.raises(ValueError, match="Precision.gather_quant must be None, 'int8' or 'fp8'"):
-        jzero.Precision(gather_quant=value)
+    with pytest.raises(
+        ValueError, match="Communication.gather_quant must be None, 'int8' or 'fp8'"
+    ):
+        jzero.Communication(gather_quant=value)
 
 
 def test_fp8_gathers_below_stage_3_are_refused():
-    opt = jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=2, precision=FP8)
-    step = opt.train_step(stacked_loss)
     with pytest.raises(ValueError, match="stage 2 gathers no parameters; use stage=3"):
-        step(opt.init(stacked_params()), stacked_batch())
+        jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=2, comm=FP8)
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import jzero
 from jzero.accounting import collectives
-from jzero.core.layout import leaf_layout
-from jzero.core.placement import state_shardings
+from jzero.core.leaf_layout import leaf_layout
+from jzero.core.stored_form import state_shardings
 
 N = 8
 

@@ -143,13 +143,14 @@ def _manual_loss(policy):
     return loss_fn
 
 
-STEPS = {  # gathering mode -> (loss, train_step options)
-    "default": (_scan_loss, {}),
-    "prefetch": (_scan_loss, {"prefetch": True}),
-    "bucket": (_scan_loss, {"bucket": True}),
-    "remat_layer": (_manual_loss(None), {"manual_gather": True}),
+STEPS = {  # gathering mode -> (loss, optimizer options, train_step options)
+    "default": (_scan_loss, {}, {}),
+    "prefetch": (_scan_loss, {"comm": jzero.Communication(prefetch=True)}, {}),
+    "bucket": (_scan_loss, {"comm": jzero.Communication(bucket=True)}, {}),
+    "remat_layer": (_manual_loss(None), {}, {"manual_gather": True}),
     "remat_layer_saving": (
         _manual_loss(jax.checkpoint_policies.everything_saveable),
+        {},
         {"manual_gather": True},
     ),
 }
@@ -169,8 +170,8 @@ def _gathers(eqn) -> bool:
 
 @pytest.mark.parametrize("mode", sorted(STEPS))
 def test_every_gather_in_the_layer_loops_copies_its_shards_in_first(mode):
-    loss_fn, options = STEPS[mode]
-    opt = _opt("adam", FP32, True)
+    loss_fn, kw, options = STEPS[mode]
+    opt = _opt("adam", FP32, True, **kw)
     state, batch = opt.init(stacked_params()), stacked_batch()
     step = opt.train_step(loss_fn, **options)
     jaxpr = jax.make_jaxpr(step)(state, batch)
@@ -190,7 +191,7 @@ def test_every_gather_in_the_layer_loops_copies_its_shards_in_first(mode):
     outside = _count(jaxpr, _copies_in) - sum(_count(b, _copies_in) for b in gathering)
     assert outside == (2 * len(jax.tree.leaves(state.params)) if mode == "prefetch" else 0)
     # And the step is bitwise the one without offload.
-    plain = _opt("adam", FP32, False)
+    plain = _opt("adam", FP32, False, **kw)
     new, metrics = step(state, batch)
     want, want_metrics = plain.train_step(loss_fn, **options)(plain.init(stacked_params()), batch)
     assert float(metrics["loss"]) == float(want_metrics["loss"])
@@ -279,5 +280,5 @@ def test_estimate_counts_the_host_bytes_the_live_state_holds():
 def test_estimate_refuses_parameter_offload_below_stage_3():
     with pytest.raises(ValueError, match="offload_params=True needs stage 3"):
         jzero.estimate(params=1000, devices=4, stage=2, offload_params=True)
-    with pytest.raises(TypeError, match="offload_params must be True or False"):
+    with pytest.raises(ValueError, match="offload_params must be True or False"):
         jzero.estimate(params=1000, devices=4, stage=3, offload_params="cpu")

@@ -1,4 +1,4 @@
-"""Prefetch (``train_step(..., prefetch=True)``): stage 3 gathers layer i+1 while computing
+"""Prefetch (``Communication(prefetch=True)``): stage 3 gathers layer i+1 while computing
 layer i, and in backward layer i-1 while differentiating layer i.
 
 Checked on a loss written as for one device (a ``lax.scan`` / ``nn.scan`` over stacked
@@ -61,17 +61,12 @@ def batches(steps=STEPS):
 
 
 def _step(mode: str):
-    opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=3)
+    comm = jzero.Communication(prefetch=mode.startswith("prefetch"), bucket=mode.endswith("bucket"))
+    opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=3, comm=comm)
     state = opt.init(params())
     if mode == "manual":
         return opt, state, opt.train_step(manual_loss, manual_gather=True)
-    return (
-        opt,
-        state,
-        opt.train_step(
-            scan_loss, prefetch=mode.startswith("prefetch"), bucket=mode.endswith("bucket")
-        ),
-    )
+    return opt, state, opt.train_step(scan_loss)
 
 
 @functools.cache
@@ -162,9 +157,14 @@ def test_linen_nn_scan_with_prefetch_matches_single_device_optax():
     variables = Model().init(jax.random.key(0), x)
     loss = lambda p, batch: jnp.mean((Model().apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
     state = jzero.linen.TrainState.create(
-        apply_fn=Model().apply, variables=variables, tx=TX(), mesh=jzero.data_mesh(), stage=3
+        apply_fn=Model().apply,
+        variables=variables,
+        tx=TX(),
+        mesh=jzero.data_mesh(),
+        stage=3,
+        comm=jzero.Communication(prefetch=True, bucket=True),
     )
-    step = state.train_step(loss, prefetch=True, bucket=True)
+    step = state.train_step(loss)
     ref = reference(TX(), variables["params"], loss, batches())
     for batch, want in zip(batches(), ref.losses):
         state, metrics = step(state, batch)

@@ -1,4 +1,4 @@
-"""Quantized stage-3 all-gathers (``Precision(gather_quant='int8')``, ZeRO++'s qwZ).
+"""Quantized stage-3 all-gathers (``Communication(gather_quant='int8')``, ZeRO++'s qwZ).
 
 The int8 blocks round-trip within half a quantization step; on the wire they are s8
 all-gathers (plus fp32 scales) of <= 0.3x fp32's bytes and <= 0.55x bf16's, while the
@@ -12,6 +12,7 @@ trajectories are chaotic (tests/_lm.py, scripts/accuracy.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -47,10 +48,10 @@ import jzero
 from jzero.accounting import collectives, comm_bytes
 from jzero.core.comm.collectives import all_gather
 from jzero.core.comm.quantize import Quant, dequantize, quantize, quantized_all_gather
-from jzero.core.layout import leaf_layout
+from jzero.core.leaf_layout import leaf_layout
 
 N = 8
-INT8 = jzero.Precision(gather_quant="int8")
+INT8 = jzero.Communication(gather_quant="int8")
 BLOCK = INT8.quant_block  # 256, the default
 
 
@@ -149,8 +150,8 @@ def _dequantized(state: jzero.ZeroState, quant: Quant, *, per_layer: Callable[[s
 # a manual whole-leaf gather of awkward (padded) leaves.
 PATHS = {
     "default": ("stacked", {}),
-    "bucket": ("stacked", {"bucket": True}),
-    "prefetch": ("stacked", {"prefetch": True}),
+    "bucket": ("stacked", {"comm": {"bucket": True}}),
+    "prefetch": ("stacked", {"comm": {"prefetch": True}}),
     "manual": ("awkward", {"manual_gather": True}),
 }
 MODELS = {
@@ -163,8 +164,10 @@ MODELS = {
 def test_gradients_are_those_at_the_dequantized_params(path):
     model, options = PATHS[path]
     init, loss_fn, batch_fn = MODELS[model]
+    options = dict(options)
+    comm = dataclasses.replace(INT8, **options.pop("comm", {}))
     opt = jzero.ZeroOptimizer(
-        optax.sgd(1.0), jzero.data_mesh(), stage=3, precision=INT8, min_shard_size=1
+        optax.sgd(1.0), jzero.data_mesh(), stage=3, comm=comm, min_shard_size=1
     )
     state, batch = opt.init(init()), batch_fn()
     params = opt.full_params(state)
@@ -181,10 +184,11 @@ def test_gradients_are_those_at_the_dequantized_params(path):
 
 
 def _step(param_dtype, gather_quant):
-    precision = jzero.Precision(
-        param_dtype=param_dtype, reduce_dtype=jnp.float32, gather_quant=gather_quant
+    precision = jzero.Precision(param_dtype=param_dtype, reduce_dtype=jnp.float32)
+    comm = jzero.Communication(gather_quant=gather_quant)
+    opt = jzero.ZeroOptimizer(
+        optax.sgd(1e-2), jzero.data_mesh(), stage=3, precision=precision, comm=comm
     )
-    opt = jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=3, precision=precision)
     return opt.train_step(stacked_loss), opt.init(stacked_params())
 
 
@@ -230,24 +234,31 @@ def test_quantized_gathers_send_a_quarter_of_fp32(param_dtype, ratio):
     [
         (
             {"gather_quant": "int4"},
-            "Precision.gather_quant must be None, 'int8' or 'fp8' (float8_e4m3fn), got 'int4'",
+            "Communication.gather_quant must be None, 'int8' or 'fp8' (float8_e4m3fn), got 'int4'",
         ),
-        ({"gather_quant": jnp.int8}, "Precision.gather_quant must be None, 'int8' or 'fp8'"),
-        ({"gather_quant": "int8", "quant_block": 0}, "Precision.quant_block must be a positive"),
-        ({"gather_quant": "int8", "quant_block": 2.5}, "Precision.quant_block must be a positive"),
-        ({"gather_quant": "int8", "quant_block": True}, "Precision.quant_block must be a positive"),
+        ({"gather_quant": jnp.int8}, "Communication.gather_quant must be None, 'int8' or 'fp8'"),
+        (
+            {"gather_quant": "int8", "quant_block": 0},
+            "Communication.quant_block must be a positive",
+        ),
+        (
+            {"gather_quant": "int8", "quant_block": 2.5},
+            "Communication.quant_block must be a positive",
+        ),
+        (
+            {"gather_quant": "int8", "quant_block": True},
+            "Communication.quant_block must be a positive",
+        ),
     ],
 )
 def test_bad_quantization_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        jzero.Precision(**kwargs)
+        jzero.Communication(**kwargs)
 
 
 def test_quantized_gathers_below_stage_3_are_refused():
-    opt = jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=2, precision=INT8)
-    step = opt.train_step(stacked_loss)
     with pytest.raises(ValueError, match="stage 2 gathers no parameters; use stage=3"):
-        step(opt.init(stacked_params()), stacked_batch())
+        jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=2, comm=INT8)
 
 
 def _abs_dot(a: dict, b: dict) -> float:

@@ -1,4 +1,4 @@
-"""Quantized gradient reduce-scatters (``Precision(grad_quant='int8' | 'int4')``, ZeRO++'s qgZ).
+"""Quantized gradient reduce-scatters (``Communication(grad_quant='int8' | 'int4')``, ZeRO++'s qgZ).
 
 Each device's part of a gradient round-trips within one quantization step (absmax/127 of
 its block for int8, absmax/7 for int4), rounded stochastically, so without bias; on the
@@ -45,7 +45,7 @@ from jzero.core.comm.quantize import (
     quantized_reduce_scatter,
     unpack_int4,
 )
-from jzero.core.layout import leaf_layout
+from jzero.core.leaf_layout import leaf_layout
 from jzero.core.mesh import DATA
 
 N = 8
@@ -166,7 +166,7 @@ PATHS = {
     "stage1": (1, {}),
     "stage2": (2, {}),
     "stage3": (3, {}),
-    "stage3-bucket": (3, {"bucket": True}),
+    "stage3-bucket": (3, {"bucket": True}),  # Communication fields
     "stage3-prefetch": (3, {"prefetch": True}),
     "stage3-hsdp": (3, {}),  # 2 replicas x 4: quantized within 'data', exact across
 }
@@ -188,13 +188,11 @@ def test_update_is_within_the_summed_per_device_bound(path, dtype):
     leaf."""
     stage, options = PATHS[path]
     mesh = jzero.hybrid_mesh(2) if path.endswith("hsdp") else jzero.data_mesh()
-    precision = jzero.Precision(grad_quant=dtype)
-    opt = jzero.ZeroOptimizer(
-        optax.sgd(1.0), mesh, stage=stage, precision=precision, min_shard_size=1
-    )
+    comm = jzero.Communication(grad_quant=dtype, **options)
+    opt = jzero.ZeroOptimizer(optax.sgd(1.0), mesh, stage=stage, comm=comm, min_shard_size=1)
     state, batch = opt.init(stacked_params()), stacked_batch()
     params = opt.full_params(state)
-    state, _ = opt.train_step(stacked_loss, **options)(state, batch)
+    state, _ = opt.train_step(stacked_loss)(state, batch)
     got = jax.tree.map(lambda w, w1: w - w1, params, opt.full_params(state))
 
     per_device = _per_device_grads(params, batch)
@@ -214,7 +212,7 @@ def _stage3(grad_quant: str | None):
         optax.sgd(1e-2),
         jzero.data_mesh(),
         stage=3,
-        precision=jzero.Precision(grad_quant=grad_quant),
+        comm=jzero.Communication(grad_quant=grad_quant),
         min_shard_size=1,
     )
     return opt.train_step(stacked_loss), opt.init(stacked_params())
@@ -246,23 +244,21 @@ def test_quantized_reduce_scatters_send_a_fraction_of_fp32(dtype, ratio):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"grad_quant": "int2"}, "Precision.grad_quant must be None or 'int8' or 'int4', got"),
-        ({"grad_quant": jnp.int8}, "Precision.grad_quant must be None or 'int8' or 'int4'"),
+        ({"grad_quant": "int2"}, "Communication.grad_quant must be None or 'int8' or 'int4', got"),
+        ({"grad_quant": jnp.int8}, "Communication.grad_quant must be None or 'int8' or 'int4'"),
         ({"grad_quant": "int4", "quant_block": 255}, "must be even with grad_quant='int4'"),
-        ({"grad_quant": "int8", "quant_block": 0}, "Precision.quant_block must be a positive"),
+        ({"grad_quant": "int8", "quant_block": 0}, "Communication.quant_block must be a positive"),
     ],
 )
 def test_bad_gradient_quantization_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        jzero.Precision(**kwargs)
+        jzero.Communication(**kwargs)
 
 
 def test_quantized_gradients_at_stage_0_are_refused():
-    precision = jzero.Precision(grad_quant="int8")
-    opt = jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=0, precision=precision)
-    step = opt.train_step(stacked_loss)
+    comm = jzero.Communication(grad_quant="int8")
     with pytest.raises(ValueError, match="stage 0 all-reduces its gradients; use stage=1, 2"):
-        step(opt.init(stacked_params()), stacked_batch())
+        jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=0, comm=comm)
 
 
 def _lm_per_device_grads(params: dict, batch: dict) -> tuple[float, list]:
@@ -281,7 +277,7 @@ def test_lm_step_from_the_exact_trajectory_is_within_the_summed_bound(at, dtype)
     within the summed per-device bound of the exact gradient, and its loss (forward is
     exact) is the exact loss. One step from one state: it holds on any CPU."""
     params, batch = exact_snapshot(at)
-    opt, step = sgd_step(jzero.Precision(grad_quant=dtype))
+    opt, step = sgd_step(jzero.Communication(grad_quant=dtype))
     state, metrics = step(opt.init(params), batch)
     got = jax.tree.map(lambda w, w1: w - np.asarray(w1), params, opt.full_params(state))
 
@@ -307,6 +303,6 @@ def test_lm_step_from_the_exact_trajectory_is_within_the_summed_bound(at, dtype)
 def test_example_lm_trains_with_quantized_gradients(dtype):
     """200 steps with quantized gradients end below 0.7 x the first loss (tests/_lm.py:
     TRAINED)."""
-    losses = lm_losses(jzero.Precision(grad_quant=dtype))
+    losses = lm_losses(jzero.Communication(grad_quant=dtype))
     assert final(losses) < TRAINED * losses[0]
     print(f"example LM, {dtype} gradients, {LM_STEPS} steps: final loss {final(losses):.4f}")

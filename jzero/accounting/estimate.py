@@ -12,16 +12,18 @@ and fp32 training replaces each 2 by 4. GB means 10^9 bytes throughout.
 Hybrid sharding (HSDP: model states sharded within groups of G devices, replicated
 across the R = N/G groups) is the same table with N replaced by G (``shard_group=G``).
 
-Optimizer offload (ZeRO-Offload, ``offload="optimizer"``, stages 1-3) moves the K·Ψ/N
-optimizer bytes to host memory; the device keeps only the two pieces streaming through
-it: a leaf's state, cut into chunks of at most C = ``offload_chunk`` elements when its
-update is elementwise (Adam, AdamW, SGD), so at most 2·K·min(Ψ_layer, C)/N.
+Optimizer offload (ZeRO-Offload, stages 1-3) moves the K·Ψ/N optimizer bytes to host
+memory. Streamed (``offload="stream"``, or its shorthand ``"optimizer"``), the device keeps
+the two pieces streaming through it: a leaf's state, cut into chunks of at most
+C = ``offload_chunk`` elements when its update is elementwise (Adam, AdamW, SGD), so at
+most 2·K·min(Ψ_layer, C)/N. With the step on the host (``offload="host"``) the device
+keeps no optimizer bytes.
 
-Parameter offload (ZeRO-Infinity's ``offload_param``, ``Offload(params=True)``, stage 3)
-moves the parameter shards (2Ψ/N mixed, 4Ψ/N fp32) and, in mixed precision, the fp32
-master weights (4Ψ/N) to host memory; the device keeps the shards of the layers being
-gathered (one layer, two with prefetch). With the optimizer on the device the update
-copies the master weights in, so K·Ψ/N stays in the device's count.
+Parameter offload (ZeRO-Infinity's ``offload_param``, ``offload_params=True``, stage 3)
+moves the parameter shards (2Ψ/N mixed, 4Ψ/N fp32) and, in mixed precision with the
+optimizer on the device, the fp32 master weights (4Ψ/N) to host memory; the device keeps
+copies of the shards of the layers being gathered (one layer, two with prefetch). The
+device update copies the master weights in, so K·Ψ/N stays in the device's count.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Literal
 
 Stage = Literal[0, 1, 2, 3]
 Precision = Literal["mixed", "fp32"]
-Offload = Literal[None, "optimizer"]
+Offload = Literal[None, "optimizer", "stream", "host"]
 STAGES: tuple[Stage, ...] = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 # Default K (optimizer bytes per parameter, Adam). mixed: fp32 master copy + two fp32
@@ -53,11 +55,11 @@ class Estimate:
     stage: int
     params_bytes: float  # parameters held: full copy, or a 1/N shard at stage 3
     grads_bytes: float  # gradients held: full, or a 1/N shard at stages 2-3
-    optimizer_bytes: float  # K·Ψ, or a 1/N shard at stages 1-3; offloaded: 2 chunks' share
+    optimizer_bytes: float  # K·Ψ, or 1/N at stages 1-3; streamed: 2 chunks'; host step: 0
     gathered_layer_bytes: float  # stage 3: the largest layer's params, gathered in full
     activation_bytes: float  # as given (see `transformer_activation_bytes`)
     buffer_bytes: float  # communication buffers, as given
-    host_bytes: float = 0.0  # offloaded optimizer state in host memory: K·Ψ/N, else 0
+    host_bytes: float = 0.0  # offloaded: optimizer state K·Ψ/N (+ param shards), else 0
 
     @property
     def model_state_bytes(self) -> float:
@@ -266,16 +268,20 @@ def estimate(
         shard_group: hybrid sharding (HSDP): model states are sharded within groups of
             this many devices G and replicated across the N/G groups, so the stage
             formulas hold with N replaced by G. G must divide N; default N (plain ZeRO).
-        offload: ``"optimizer"`` (stages 1-3): the optimizer state (K·Ψ/N) is in
-            ``host_bytes``; the device holds two pieces of it while they stream through:
+        offload: where the optimizer state rests and is updated (``jzero.Offload``'s
+            ``optimizer``; stages 1-3). ``"host"``: the state (K·Ψ/N) is in ``host_bytes``
+            and the device holds none of it. ``"stream"`` (or ``"optimizer"``, its
+            shorthand): it is in ``host_bytes``; the device holds two pieces of it while
+            they stream through:
             ``2·K·min(largest_layer_params, offload_chunk)/N``. A piece is one parameter
             leaf's state, cut into chunks of at most ``offload_chunk`` elements when the
             update is elementwise (Adam, AdamW, SGD); a non-elementwise update
             (Adafactor) of a leaf stacking several layers (``nn.scan``) streams the
             whole leaf, more than this.
-        offload_chunk: ``ZeroOptimizer(offload_chunk=...)``, elements per streamed chunk.
-        offload_params: stage 3's parameter shards rest in host memory
-            (``Offload(params=True)``): see :func:`_offloaded_params`.
+        offload_chunk: ``jzero.Offload(chunk=...)``, elements per streamed chunk.
+        offload_params: ``jzero.Offload(params=True)`` (stage 3): the parameter shards
+            (and, in mixed precision with the optimizer on the device, the fp32 master
+            weights) are in ``host_bytes``; the device keeps the gathered layers' shards.
 
     Examples:
         >>> round(estimate(params=7.5e9, devices=64, stage=1).total_bytes / 1e9, 1)
@@ -291,54 +297,43 @@ def estimate(
     states = _state_bytes(params / model_parallel, group, stage, pb, pb, k)
     gathered = (2 if prefetch else 1) * pb * largest_layer_params / model_parallel
     gathered = gathered if stage == 3 and group > 1 else 0.0
+    params_b, grads_b, optimizer_b = states
     host = 0.0
-    if _check_offload(offload, stage):
-        host = states[2]
+    mode = _check_offload(offload, offload_params, stage)
+    if mode is not None:
+        host = optimizer_b
         piece = min(largest_layer_params, offload_chunk)
-        states = (*states[:2], 2 * k * piece / model_parallel / group)
-    if not isinstance(offload_params, bool):
-        raise TypeError(f"offload_params must be True or False, got {offload_params!r}.")
+        optimizer_b = 2 * k * piece / model_parallel / group if mode == "stream" else 0.0
     if offload_params:
         layers = (2 if prefetch else 1) * largest_layer_params
-        fraction = layers / params if params else 0.0
+        fraction = min(layers / params, 1.0) if params else 0.0
         # an offloaded optimizer's host bytes (K) hold the master weights already
-        master = precision == "mixed" and offload is None
-        states, more = _offloaded_params(states, stage, fraction, master=master)
+        master_b = 4 * params / model_parallel / group if precision == "mixed" else 0.0
+        params_b, more = params_b * fraction, params_b + (master_b if mode is None else 0.0)
         host += more
     extra = (gathered, float(activation_bytes), float(buffer_bytes), host)
-    return Estimate(stage, *states, *extra)
+    return Estimate(stage, params_b, grads_b, optimizer_b, *extra)
 
 
-def _offloaded_params(
-    states: tuple[float, float, float], stage: int, in_flight: float, *, master: bool
-) -> tuple[tuple[float, float, float], float]:
-    """Parameter offload: ``(device states, host bytes)`` from the device-resident states.
-
-    Every parameter shard rests in host memory; the device holds copies of the
-    ``in_flight`` fraction of them (the layers being gathered: one, two with prefetch).
-    With ``master`` the fp32 master weights (4 bytes per parameter, 1/N shards, 16-bit
-    parameters) rest in host memory too.
-    """
-    if isinstance(stage, bool) or stage != 3:
+def _check_offload(offload: Any, offload_params: Any, stage: int) -> str | None:
+    """The optimizer offload mode (``"stream"``, ``"host"``) or None; raises on bad input."""
+    if offload not in (None, "optimizer", "stream", "host"):
         raise ValueError(
-            f"offload_params=True needs stage 3 (stage {stage} stores whole parameters on "
-            "every device, which jzero does not offload); use stage=3, or leave it False."
+            f"offload must be None, 'stream' (or 'optimizer'), or 'host', got {offload!r}."
         )
-    params_b, grads_b, opt_b = states
-    master_b = params_b * 4 / _PARAM_BYTES["mixed"] if master else 0.0
-    on_device = params_b * min(in_flight, 1.0)
-    return (on_device, grads_b, opt_b), params_b + master_b
-
-
-def _check_offload(offload: Any, stage: int) -> bool:
-    if offload not in (None, "optimizer"):
-        raise ValueError(f"offload must be None or 'optimizer', got {offload!r}.")
     if offload is not None and stage == 0:
         raise ValueError(
-            "offload='optimizer' needs stage >= 1 (stage 0 does not shard the optimizer "
+            f"offload={offload!r} needs stage >= 1 (stage 0 does not shard the optimizer "
             "state, and jzero does not offload it); use stage=1, 2 or 3."
         )
-    return offload is not None
+    if not isinstance(offload_params, bool):
+        raise ValueError(f"offload_params must be True or False, got {offload_params!r}.")
+    if offload_params and stage != 3:
+        raise ValueError(
+            f"offload_params=True needs stage 3 (stage {stage} keeps whole parameters on "
+            "every device); use stage=3, or offload_params=False."
+        )
+    return "stream" if offload == "optimizer" else offload
 
 
 def stage_table(**kwargs: Any) -> tuple[Estimate, ...]:

@@ -22,7 +22,7 @@ import numpy as np
 from .._table import table
 from ..core.checks import check_live
 from ..core.plan import Plan
-from ..core.state import ZeroState
+from ..core.zero_state import ZeroState
 from .estimate import theory_comm_bytes, theory_comm_bytes_per_axis, theory_model_state_bytes
 from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, summary_table
 
@@ -34,11 +34,12 @@ CPU_NOTE = (
 )
 QUANT_NOTE = (
     "the s8 all-gathers (and their f32 scales) are stage 3's quantized parameter gathers "
-    "(Precision.gather_quant); the theory counts every gather in the parameters' dtype."
+    "(Communication.gather_quant; u8 holds fp8 values); the theory counts every gather in "
+    "the parameters' dtype."
 )
 GRAD_QUANT_NOTE = (
     "the s8/u8 all-to-alls (and their f32 scales) are quantized gradient reduce-scatters "
-    "(Precision.grad_quant; u8 holds two int4 values); the theory counts them as "
+    "(Communication.grad_quant; u8 holds two int4 values); the theory counts them as "
     "reduce-scatters in the reduce dtype."
 )
 

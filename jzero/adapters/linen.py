@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import flax.linen as nn
@@ -25,16 +26,18 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from ..core.layout import DEFAULT_MIN_SHARD_SIZE
+from ..core.communication import Communication
+from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
 from ..core.rules import Rules
-from ..core.state import ZeroState
+from ..core.step_options import StepOptions, step_options
+from ..core.zero_state import ZeroState
+from .adapter_step import AdapterStep, adapter_options
 from .linen_layers import by_layer, layer_classes
 from .specs import linen_specs
-from .step import AdapterStep
 
 
 @struct.dataclass
@@ -72,10 +75,11 @@ class TrainState:
         rules: Rules | None = None,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
+        comm: Communication | None = None,
         layers: type[nn.Module] | tuple[type[nn.Module], ...] = (),
     ) -> TrainState:
         """Partitions ``variables['params']`` per stage; ``tx``, ``mesh``, ``stage``,
-        ``min_shard_size`` and ``precision`` as for :class:`jzero.ZeroOptimizer`.
+        ``min_shard_size``, ``precision`` and ``comm`` as for :class:`jzero.ZeroOptimizer`.
 
         ``variables`` is ``model.init(...)``'s output; or ``init_fn`` returns it (e.g.
         ``functools.partial(model.init, key, x)``) and runs under ``jit`` with sharded
@@ -122,6 +126,7 @@ class TrainState:
             param_specs=param_specs,
             min_shard_size=min_shard_size,
             precision=precision,
+            comm=comm,
         )
         # opt.init copies model_state, so the donated step never deletes the caller's arrays.
         rest = lambda v: nn.unbox({k: c for k, c in v.items() if k != "params"})
@@ -137,15 +142,8 @@ class TrainState:
     def train_step(
         self,
         loss_fn: Callable[..., Any],
-        *,
-        manual_gather: bool = False,
-        grad_accum: int = 1,
-        has_aux: bool = False,
-        donate: bool = True,
-        per_device_rng: bool = True,
-        axis_name: str | tuple[str, ...] | None = None,
-        bucket: bool = False,
-        prefetch: bool = False,
+        options: StepOptions | None = None,
+        **kwargs: Any,
     ) -> AdapterStep:
         """A ``step(state, batch) -> (state, metrics)``: forward, backward and update, jitted.
 
@@ -164,8 +162,9 @@ class TrainState:
         counter kept beside them (the key comes back unfolded, the counter agreed).
         """
         with_state = bool(self.model_state)
+        options = step_options(options, kwargs)
         if self.layers:
-            loss_fn, manual_gather = by_layer(loss_fn, self.layers), True
+            loss_fn, options = by_layer(loss_fn, self.layers), replace(options, manual_gather=True)
 
         def inner(params, model_state, batch):
             out, updates = loss_fn(params, model_state, batch)
@@ -173,14 +172,6 @@ class TrainState:
 
         core = self.opt.train_step(
             inner if with_state else loss_fn,
-            with_model_state=with_state,
-            manual_gather=manual_gather,
-            grad_accum=grad_accum,
-            has_aux=has_aux,
-            donate=donate,
-            per_device_rng=per_device_rng,
-            axis_name=axis_name,
-            bucket=bucket,
-            prefetch=prefetch,
+            adapter_options(options, with_model_state=with_state),
         )
         return AdapterStep(core)

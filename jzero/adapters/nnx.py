@@ -26,6 +26,7 @@ uses it, through :func:`remat_layer` (e.g. in the body of an ``nnx.scan``) and
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -33,19 +34,21 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from ..core.layout import DEFAULT_MIN_SHARD_SIZE
+from ..core.communication import Communication
+from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
 from ..core.rules import Rules
-from ..core.state import ZeroState
+from ..core.step_options import StepOptions, step_options
+from ..core.zero_state import ZeroState
+from .adapter_step import AdapterStep, adapter_options
 from .nnx_layers import by_layer, check_layers, layer_classes
 from .nnx_remat import gathered as gathered
 from .nnx_remat import is_sharded, split
 from .nnx_remat import remat_layer as remat_layer
 from .specs import nnx_specs
-from .step import AdapterStep
 
 
 @struct.dataclass
@@ -80,10 +83,11 @@ class TrainState:
         rules: Rules | None = None,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
+        comm: Communication | None = None,
         layers: type[nnx.Module] | tuple[type[nnx.Module], ...] = (),
     ) -> TrainState:
         """Splits ``model`` and partitions its ``nnx.Param`` state per stage; ``tx``,
-        ``mesh``, ``stage``, ``min_shard_size`` and ``precision`` as for
+        ``mesh``, ``stage``, ``min_shard_size``, ``precision`` and ``comm`` as for
         :class:`jzero.ZeroOptimizer`.
 
         ``param_specs`` (over the mesh's other axes, shaped like ``nnx.to_pure_dict`` of the
@@ -124,6 +128,7 @@ class TrainState:
             param_specs=fit_specs(pure, param_specs, mesh),
             min_shard_size=min_shard_size,
             precision=precision,
+            comm=comm,
         )
         # opt.init copies model_state, so the donated step never deletes the model's arrays.
         # RNG keys stay typed keys: the step folds them per device (per_device_rng).
@@ -149,16 +154,9 @@ class TrainState:
 
     def train_step(
         self,
-        loss_fn: Callable[[nnx.Module, Any], Any],
-        *,
-        manual_gather: bool = False,
-        grad_accum: int = 1,
-        has_aux: bool = False,
-        donate: bool = True,
-        per_device_rng: bool = True,
-        axis_name: str | tuple[str, ...] | None = None,
-        bucket: bool = False,
-        prefetch: bool = False,
+        loss_fn: Callable[..., Any],
+        options: StepOptions | None = None,
+        **kwargs: Any,
     ) -> AdapterStep:
         """A jitted ``step(state, batch) -> (state, metrics)``; ``loss_fn(model, batch) -> loss``
         (with ``has_aux``: ``(loss, aux)``, aux in ``metrics['aux']``).
@@ -184,24 +182,14 @@ class TrainState:
         ``axis_name``: the model's name for the batch axis (``nnx.BatchNorm(axis_name=
         'batch')``), mapped onto jzero's batch axes.
         """
+        options = step_options(options, kwargs)
         if self.layers:
-            loss_fn, manual_gather = by_layer(loss_fn, self.layers), True
+            loss_fn, options = by_layer(loss_fn, self.layers), replace(options, manual_gather=True)
 
         def inner(params: Any, model_state: Any, batch: Any) -> tuple[Any, Any]:
             model = self._merge(params, model_state)
             out = loss_fn(model, batch)
             return out, nnx.to_pure_dict(split(model)[2])
 
-        core = self.opt.train_step(
-            inner,
-            with_model_state=True,
-            manual_gather=manual_gather,
-            grad_accum=grad_accum,
-            has_aux=has_aux,
-            donate=donate,
-            per_device_rng=per_device_rng,
-            axis_name=axis_name,
-            bucket=bucket,
-            prefetch=prefetch,
-        )
+        core = self.opt.train_step(inner, adapter_options(options, with_model_state=True))
         return AdapterStep(core)

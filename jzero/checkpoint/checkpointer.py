@@ -33,7 +33,7 @@ from ..core.checks import check_live
 from ..core.checksum import checksums
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Plan
-from ..core.state import ZeroState
+from ..core.zero_state import ZeroState
 from .checks import check_extra, check_like, check_optimizer
 from .errors import (
     CheckpointError,
@@ -428,7 +428,7 @@ class Checkpointer:
                     f"checkpoint step {step}: leaf {name!r} fails its checksum (stored "
                     f"{stored[name]['checksum']}, read {got}): the data files are corrupt."
                 )
-        return assemble_state(opt, plan, arrays, targets, model_state), meta.get("extra")
+        return assemble_state(plan, opt.precision, arrays, targets, model_state), meta.get("extra")
 
 
 def _reasons(skipped: list[tuple[int, str]]) -> str:

@@ -10,7 +10,7 @@ import optax
 
 from ..core.checks import check_leaves
 from ..core.optimizer import ZeroOptimizer
-from ..core.state import ZeroState
+from ..core.zero_state import ZeroState
 
 
 def check_optimizer(opt: Any, what: str) -> None:

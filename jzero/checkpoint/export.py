@@ -39,11 +39,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..core.checks import check_live
-from ..core.layout import unpad
+from ..core.leaf_layout import unpad
 from ..core.mesh_types import on_compute_mesh
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stored
-from ..core.state import ZeroState
+from ..core.zero_state import ZeroState
 from .checks import check_optimizer
 from .names import leaf_names
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from ..core.plan import Plan, Stored
-from ..core.state import ZeroState
+from ..core.zero_state import ZeroState
 from .errors import CheckpointError as CheckpointError
 from .names import leaf_names
 

@@ -11,11 +11,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..core.mesh_types import on_compute_mesh
-from ..core.optimizer import ZeroOptimizer
-from ..core.placement import state_shardings, store, view
 from ..core.plan import Plan, Stored
-from ..core.precision import LossScale
-from ..core.state import ZeroState
+from ..core.precision import LossScale, Precision
+from ..core.stored_form import state_shardings, store, view
+from ..core.zero_state import ZeroState
 from .format import array_target, leaf_key, weights_stored
 from .names import leaf_names, unflatten_names
 
@@ -61,15 +60,14 @@ def _is_key(x: Any) -> bool:
 
 
 def assemble_state(
-    opt: ZeroOptimizer,
     plan: Plan,
+    precision: Precision,
     arrays: dict[str, jax.Array],
     targets: dict[str, Any],
     model_state: Any,
 ) -> ZeroState:
     """The restored arrays -> a :class:`ZeroState` of ``plan`` (params cast from the
     fp32 weights, master weights kept under mixed precision)."""
-    precision = opt.precision
     group = lambda g: [arrays[k] for k in targets if k.split(".")[0] == g and k in arrays]
     weights = jax.tree.unflatten(plan.params_def, group("weights"))
     opt_state = jax.tree.unflatten(plan.opt_def, group("opt_state"))

@@ -21,16 +21,17 @@ from typing import Any, NamedTuple
 import optax
 from jax.sharding import Mesh
 
+from ..core.communication import Communication
 from ..core.offload.options import Offload
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
 from .auto import fill_auto
 from .findings import Findings
+from .fp16_bf16 import COMMUNICATION, read_precision
 from .jsonc import parse as parse_jsonc
 from .keys import Key, Section, attempt, no_effect, number, positive
 from .optim import read_optimizer
-from .precision import COMMUNICATION, read_precision
 from .schedules import read_schedule
 from .zero import read_zero
 
@@ -55,7 +56,7 @@ TOP = {
     ),
     "zero_allow_untested_optimizer": no_effect("jzero runs any Optax transformation"),
     "zero_force_ds_cpu_optimizer": no_effect(
-        "jzero has no CPU optimizer: an offloaded optimizer state is updated on the accelerator"
+        "with offload_optimizer on the CPU jzero runs any Optax update on the host"
     ),
     "activation_checkpointing": no_effect(
         "jzero leaves the model as it is; use jax.checkpoint or jzero.remat_layer in it"
@@ -86,12 +87,14 @@ class DeepSpeedOptions:
 
     Attributes:
         stage: ``zero_optimization.stage`` (DeepSpeed's default 0).
-        precision: from ``fp16`` / ``bf16`` / ``communication_data_type``, with
-            ``gather_quant="int8"`` for ``zero_quantized_weights`` and ``grad_quant="int8"``
-            for ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
+        precision: from ``fp16`` / ``bf16`` / ``communication_data_type``.
+        comm: a :class:`jzero.Communication` with ``gather_quant="int8"`` for
+            ``zero_quantized_weights`` and ``grad_quant="int8"`` for
+            ``zero_quantized_gradients`` (ZeRO++ qwZ and qgZ).
         offload: the :class:`jzero.Offload` for ``offload_optimizer`` ``{"device": "cpu"}``
-            (or ``cpu_offload``): the optimizer state and fp32 master weights rest in pinned
-            host memory; ``sub_group_size`` is its ``chunk``. None otherwise.
+            (or ``cpu_offload``): ``Offload(optimizer="host")``, the optimizer state and
+            fp32 master weights rest in pinned host memory and are updated there, as
+            DeepSpeed's CPU Adam does. None otherwise.
         tx: the ``optimizer`` with its ``scheduler``, after ``gradient_clipping``; None
             without an ``optimizer``.
         learning_rate: the ``scheduler`` as an Optax schedule, else the optimizer's lr;
@@ -115,6 +118,7 @@ class DeepSpeedOptions:
     train_batch_size: int | None
     micro_batch_size: int | None
     grad_accum: int | None
+    comm: Communication = Communication()
 
     def batch_sizes(self, *, data_parallel_size: int) -> BatchSizes:
         """The three batch sizes on ``data_parallel_size`` devices, completed as DeepSpeed
@@ -154,7 +158,7 @@ class DeepSpeedOptions:
         tx: optax.GradientTransformation | None = None,
         param_specs: Any = None,
     ) -> ZeroOptimizer:
-        """A :class:`jzero.ZeroOptimizer` with the config's stage, precision, offload and
+        """A :class:`jzero.ZeroOptimizer` with the config's stage, precision, comm, offload and
         ``min_shard_size``, around ``self.tx``, or around ``tx`` (after the config's
         clipping) when the config has no ``optimizer``."""
         if (tx is None) == (self.tx is None):
@@ -170,6 +174,7 @@ class DeepSpeedOptions:
             mesh,
             stage=self.stage,
             precision=self.precision,
+            comm=self.comm,
             offload=self.offload,
             param_specs=param_specs,
             **extra,
@@ -216,9 +221,8 @@ def from_deepspeed_config(
     return DeepSpeedOptions(
         stage=zero.stage,
         # ZeRO++ qwZ and qgZ: int8 all-gathers and gradient reduce-scatters, blockwise scales.
-        precision=dataclasses.replace(
-            precision, gather_quant=zero.gather_quant, grad_quant=zero.grad_quant
-        ),
+        precision=precision,
+        comm=Communication(gather_quant=zero.gather_quant, grad_quant=zero.grad_quant),
         offload=zero.offload,
         tx=tx,
         learning_rate=learning_rate,

@@ -1,15 +1,19 @@
 """DeepSpeed's ``"zero_optimization"``: the stage, the stage-3 persistence threshold as
 ``min_shard_size``, optimizer offload to the CPU as ``offload="optimizer"``, ZeRO++ quantized
-weights and gradients as ``Precision(gather_quant="int8")`` and
-``Precision(grad_quant="int8")``, parameter offload to the CPU as
+weights and gradients as ``Communication(gather_quant="int8")`` and
+``Communication(grad_quant="int8")``, parameter offload to the CPU as
 ``Offload(params=True)``; offloading to NVMe, and hpZ, refused; the performance knobs jzero
 has no use for warned.
 
 ``offload_optimizer`` with ``"device": "cpu"`` (or DeepSpeed's older ``"cpu_offload": true``)
-keeps the sharded optimizer state and fp32 master weights in pinned host memory, as
-ZeRO-Offload does, at stages 1-3 as in DeepSpeed. Unlike DeepSpeed, which updates them on the
-CPU (CPU Adam), jzero streams them through the accelerator and runs the Optax update there
-(:mod:`jzero.core.offload.update`); the numbers are those of the run without offload.
+is ``jzero.Offload(optimizer="host")``: the sharded optimizer state and fp32 master weights
+rest in pinned host memory and the Optax update runs on the host, as DeepSpeed runs its CPU
+Adam there (:mod:`jzero.core.offload.host_step`), at stages 1-3 as in DeepSpeed. It is the
+same split as DeepSpeed's (16-bit gradients down, 16-bit parameters up, no optimizer state
+on the accelerator); jzero's other mode, streaming the state through the accelerator
+(``Offload(optimizer="stream")``), has no DeepSpeed key. The numbers are those of the run
+without offload. ``sub_group_size`` bounds the streamed mode's chunks only: with the
+config's host step it changes nothing (noted).
 
 ``offload_param`` with ``"device": "cpu"`` (stage 3 only, as in DeepSpeed) keeps stage 3's
 parameter shards, and their fp32 master weights, in pinned host memory (ZeRO-Infinity's
@@ -41,12 +45,12 @@ def stage(value: Any) -> int:
 
 
 BUCKETS = (
-    "jzero buckets by layer, not by size: pass train_step(..., bucket=True) for one flat "
-    "collective per layer"
+    "jzero buckets by layer, not by size: pass ZeroOptimizer(..., "
+    "comm=Communication(bucket=True)) for one flat collective per layer"
 )
 GATHERS = (
     "stage 3 gathers per layer by itself (in scans; jax.checkpoint'ed layers); for one "
-    "layer of prefetch pass train_step(..., prefetch=True)"
+    "layer of prefetch pass comm=Communication(prefetch=True)"
 )
 HPZ = (
     "jzero has no secondary partition (ZeRO++ hpZ); for sharding within groups of devices "
@@ -107,13 +111,13 @@ ZERO = {
     "stage3_gather_16bit_weights_on_model_save": no_effect(
         "jzero.checkpoint.export_safetensors writes the whole model"
     ),
-    "zero_quantized_weights": Key(boolean, False),  # -> Precision(gather_quant="int8")
-    "zero_quantized_gradients": Key(boolean, False),  # -> Precision(grad_quant="int8")
+    "zero_quantized_weights": Key(boolean, False),  # -> Communication(gather_quant="int8")
+    "zero_quantized_gradients": Key(boolean, False),  # -> Communication(grad_quant="int8")
     "zero_hpz_partition_size": Key(positive, 1, refused=HPZ, matches=(1,)),
-    "sub_group_size": Key(positive),  # with offload: Offload.chunk
+    "sub_group_size": Key(positive),  # noted: the host step has no chunks
     "round_robin_gradients": no_effect(
-        "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; jzero "
-        "keeps gradients on the accelerator (offload moves the optimizer state only)"
+        "it spreads DeepSpeed's copies of the gradients to CPU memory over the ranks; in "
+        "jzero each device copies down only its own gradient shards"
     ),
     "elastic_checkpoint": no_effect("jzero.Checkpointer restores on any device count"),
     "ignore_unused_parameters": no_effect("unused parameters get zero gradients"),
@@ -125,7 +129,7 @@ class Zero(NamedTuple):
 
     stage: int  # zero_optimization.stage (DeepSpeed's default 0)
     min_shard_size: int | None  # stage3_param_persistence_threshold + 1 at stage 3, else None
-    offload: Offload | None  # offload_optimizer "cpu" / cpu_offload (+ sub_group_size)
+    offload: Offload | None  # offload_optimizer "cpu" / cpu_offload: the step on the host
     gather_quant: Literal["int8"] | None  # zero_quantized_weights: "int8"
     grad_quant: Literal["int8"] | None  # zero_quantized_gradients: "int8"
 
@@ -148,18 +152,19 @@ def read_zero(top: Section) -> Zero:
     return Zero(stage, _min_shard_size(zero), offload, gather_quant, grad_quant)
 
 
-def _chunk(zero: Section, offloaded: bool) -> int | None:
-    """``sub_group_size`` (elements per optimizer sub-step) as ``Offload.chunk``: the most
-    elements of a leaf whose offloaded state streams through the device at once."""
+def _note_sub_group_size(zero: Section, offloaded: bool) -> None:
+    """``sub_group_size`` (elements per optimizer sub-step) changes nothing here: it would
+    be ``Offload.chunk``, which bounds only a state streamed through the device."""
     if "sub_group_size" not in zero:
-        return None
-    if not offloaded:
-        zero.note(
-            "sub_group_size",
-            "without optimizer offload the update is one XLA program over every shard",
-        )
-        return None
-    return zero["sub_group_size"]
+        return
+    zero.note(
+        "sub_group_size",
+        "the offloaded update runs on the host one whole leaf at a time (to bound a state "
+        "streamed through the accelerator instead, use jzero.Offload(optimizer='stream', "
+        "chunk=...))"
+        if offloaded
+        else "without optimizer offload the update is one XLA program over every shard",
+    )
 
 
 def _min_shard_size(zero: Section) -> int | None:
@@ -187,12 +192,12 @@ def _offload(zero: Section) -> Offload | None:
         )
     if optimizer is None and not params:
         return None
-    chunk = _chunk(zero, offloaded=True) if optimizer else None
-    return Offload(optimizer=optimizer, chunk=chunk, params=params)
+    return Offload(optimizer=optimizer, params=params)
 
 
-def _offload_optimizer(zero: Section) -> Literal["stream"] | None:
-    """``"stream"`` when ``offload_optimizer`` (or ``cpu_offload``) offloads to the CPU."""
+def _offload_optimizer(zero: Section) -> Literal["host"] | None:
+    """``"host"`` (the update runs on the host, as DeepSpeed's CPU Adam) when
+    ``offload_optimizer`` (or ``cpu_offload``) offloads to the CPU."""
     optimizer = zero.section("offload_optimizer", _for_device(zero, "offload_optimizer"))
     if "cpu_offload" in zero and "offload_optimizer" in zero:
         zero.refuse(
@@ -205,7 +210,7 @@ def _offload_optimizer(zero: Section) -> Literal["stream"] | None:
     elif optimizer["device"] == "cpu":
         where, key = optimizer, "device"
     else:
-        _chunk(zero, offloaded=False)
+        _note_sub_group_size(zero, offloaded=False)
         return None
     if zero["stage"] == 0:
         where.refuse(
@@ -213,7 +218,8 @@ def _offload_optimizer(zero: Section) -> Literal["stream"] | None:
             "optimizer offload needs stage 1, 2 or 3 (as in DeepSpeed): at stage 0 every "
             "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3.",
         )
-    return "stream"
+    _note_sub_group_size(zero, offloaded=True)
+    return "host"
 
 
 def _for_device(zero: Section, key: str) -> Mapping[str, Key]:

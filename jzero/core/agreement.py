@@ -37,7 +37,10 @@ FIXES = {
     "stage": "start every process with the same stage=",
     "mesh": "build the same mesh on every process (same axes, shape and device order)",
     "precision": "pass the same jzero.Precision on every process",
-    "step options": "build the step with the same train_step(...) arguments on every process",
+    "step options": (
+        "build the optimizer and the step with the same comm=, offload= and train_step "
+        "options on every process"
+    ),
     "plan": (
         "give every process the same parameter shapes and dtypes, Optax transformation, "
         "param_specs, min_shard_size and offload settings"

@@ -1,7 +1,7 @@
 """``ZeroOptimizer``: the front users hold -- configuration, and four calls into the core.
 
 It validates the configuration and makes the :class:`Plan` for a parameter tree; init and
-export go to :mod:`.placement` with that plan, and ``train_step`` hands ``(tx, precision,
+export go to :mod:`.stored_form` with that plan, and ``train_step`` hands ``(tx, precision,
 loss_fn, mesh, stage)`` to :func:`.step.make_train_step`, whose step reads placement from
 ``state.plan`` alone. Nothing in the core calls back into this class.
 """
@@ -18,21 +18,25 @@ from jax.sharding import PartitionSpec as P
 
 from .boxed import box_specs, has_boxes
 from .checks import (
+    check_communication,
     check_leaves,
     check_precision,
     check_same_on_every_process,
     check_same_tree,
     check_state,
 )
-from .layout import DEFAULT_MIN_SHARD_SIZE
+from .communication import Communication
+from .leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from .mesh import REPLICA, check_mesh, fit_specs
 from .offload.options import Offload, as_offload
-from .placement import full_params, full_state, init_program
+from .param_owners import param_owners
 from .plan import Plan, Stage, make_plan
 from .precision import Precision
 from .rules import Rules, check_rules, logical_to_mesh
-from .state import ZeroState
-from .step import TrainStep, make_train_step
+from .step_options import StepOptions, step_options
+from .stored_form import full_params, full_state, init_program
+from .train_step import TrainStep, make_train_step
+from .zero_state import ZeroState
 
 
 class ZeroOptimizer:
@@ -67,6 +71,9 @@ class ZeroOptimizer:
             with no metadata are refused with a ``ValueError`` (the rules would do nothing).
             A ``with nn.logical_axis_rules(...)`` context is not read here.
         precision: a :class:`Precision` policy (default: everything float32).
+        comm: a :class:`Communication`: quantized gathers and reduce-scatters, buckets,
+            prefetch (default: exact, one collective per leaf, no prefetch). Checked here
+            against ``stage`` (e.g. ``gather_quant`` needs stage 3).
         offload: a :class:`jzero.Offload`: what rests in pinned host memory and where the
             optimizer step runs (stages 1-3; the backend must offer the ``pinned_host``
             memory kind). ``"optimizer"`` is short for ``Offload(optimizer="stream")``: the
@@ -92,6 +99,7 @@ class ZeroOptimizer:
         param_specs: Any = None,
         rules: Rules | None = None,
         precision: Precision | None = None,
+        comm: Communication | None = None,
         offload: Offload | Literal["optimizer"] | None = None,
         **moved: Any,
     ):
@@ -116,6 +124,7 @@ class ZeroOptimizer:
         self.param_specs = param_specs
         self.rules = None if rules is None else check_rules(rules, mesh)
         self.precision = check_precision(Precision() if precision is None else precision)
+        self.comm = check_communication(comm, stage)
         self.offload = as_offload(offload, moved)
         self.offload.check(mesh=mesh, stage=stage)
 
@@ -138,6 +147,7 @@ class ZeroOptimizer:
             min_shard_size=self.min_shard_size,
             param_dtype=self.precision.param_dtype,
             offload=self.offload,
+            owners=param_owners(self.tx, jax.tree.structure(shapes), opt_state),
         )
 
     def _user_specs(self, shapes: Any) -> Any:
@@ -249,47 +259,25 @@ class ZeroOptimizer:
         )
 
     def train_step(
-        self,
-        loss_fn: Callable[..., Any],
-        *,
-        manual_gather: bool = False,
-        grad_accum: int = 1,
-        with_model_state: bool = False,
-        has_aux: bool = False,
-        donate: bool = True,
-        per_device_rng: bool = True,
-        axis_name: str | tuple[str, ...] | None = None,
-        bucket: bool = False,
-        prefetch: bool = False,
+        self, loss_fn: Callable[..., Any], options: StepOptions | None = None, **kwargs: Any
     ) -> TrainStep:
         """A jitted ``step(state, batch) -> (state, metrics)``.
 
-        See :func:`jzero.core.step.make_train_step` for the arguments: ``manual_gather``
-        (the loss gathers per layer, e.g. with :func:`jzero.remat_layer`), ``grad_accum``
-        (micro-batches per step), ``with_model_state`` (``loss_fn(params, model_state,
-        batch) -> (loss, model_state)``), ``has_aux`` (``loss_fn`` returns ``(loss, aux)``;
-        aux comes back in ``metrics['aux']``), ``donate``, ``per_device_rng`` (PRNG keys
-        in the model state folded with the device's index, so devices draw independently)
-        and ``axis_name`` (the model's own name for the batch axis, e.g. ``'batch'`` for
-        ``nn.BatchNorm(axis_name='batch')``). ``loss_fn`` may return a
+        ``options`` is a :class:`jzero.StepOptions` (how the loss is called: ``has_aux``,
+        ``with_model_state``, ``grad_accum``, ``manual_gather``, ``donate``,
+        ``per_device_rng``, ``axis_name``); its fields may be given as keyword arguments
+        instead (``train_step(loss_fn, has_aux=True)``), not both. ``loss_fn`` may return a
         :class:`jzero.Weighted` ``(total, count)`` for a loss averaged over the global
         batch's tokens. A state consumed by an earlier donated step is refused with an
-        error, not reused.
+        error, not reused. See :func:`jzero.core.train_step.make_train_step`.
         """
         return make_train_step(
-            self.tx,
-            self.precision,
             loss_fn,
+            step_options(options, kwargs),
+            tx=self.tx,
+            precision=self.precision,
+            comm=self.comm,
             mesh=self.mesh,
             stage=self.stage,
             offload=self.offload,
-            manual_gather=manual_gather,
-            grad_accum=grad_accum,
-            with_model_state=with_model_state,
-            has_aux=has_aux,
-            donate=donate,
-            per_device_rng=per_device_rng,
-            axis_name=axis_name,
-            bucket=bucket,
-            prefetch=prefetch,
         )

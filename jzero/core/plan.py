@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._table import table
-from .layout import LeafLayout, leaf_layout
+from .leaf_layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
 from .mesh_types import compute_mesh
 from .offload.options import DEFAULT_OFFLOAD_CHUNK as DEFAULT_OFFLOAD_CHUNK
@@ -223,29 +223,28 @@ def make_plan(
     min_shard_size: int,
     param_dtype: Any,
     offload: Offload = NO_OFFLOAD,
+    owners: list[int] | None = None,
 ) -> Plan:
     """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``stage``.
 
-    Each leaf is laid out by its shape (:func:`leaf_layout`), so an optimizer-state leaf gets
-    the layout of a parameter of its shape, including that parameter's user spec when only
-    one parameter has that shape. ``user_specs`` is a tree of ``PartitionSpec`` over the
-    mesh's other axes, shaped like ``params``. Parameters are stored in ``param_dtype``;
-    with a 16-bit ``param_dtype`` the fp32 master weights are laid out like the optimizer
-    state. With ``offload.optimizer`` the optimizer state and master weights are stored in
-    host memory (memory kind ``HOST``); the parameters stay on the device.
+    Each leaf is laid out by its shape (:func:`leaf_layout`). An optimizer-state leaf takes
+    the user spec of the parameter it belongs to, ``owners[k]`` for leaf k (as
+    :func:`.param_owners.param_owners` reads it from Optax), when it has that parameter's
+    shape; other leaves get none. Without ``owners`` (Optax could not tell), a leaf takes
+    the spec of the one parameter of its shape, if only one has it. ``user_specs`` is a tree
+    of ``PartitionSpec`` over the mesh's other axes, shaped like ``params``. Parameters are
+    stored in ``param_dtype``; with a 16-bit ``param_dtype`` the fp32 master weights are
+    laid out like the optimizer state. With ``offload.optimizer`` the optimizer state and
+    master weights are stored in host memory (memory kind ``HOST``); the parameters stay on
+    the device.
     """
     n = 1 if stage == 0 else mesh.shape[DATA]
     rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_shard_size, user_spec=spec)
     p_leaves, p_def = jax.tree.flatten(params)
     p_lays = [rule(x, s) for x, s in zip(p_leaves, jax.tree.leaves(user_specs))]
-    by_shape: dict[tuple[int, ...], set[P]] = {}
-    for lay in p_lays:
-        by_shape.setdefault(lay.shape, set()).add(lay.user_spec)
-    spec_of = lambda shape: (
-        next(iter(by_shape[shape])) if len(by_shape.get(shape, ())) == 1 else P()
-    )
     o_leaves, o_def = jax.tree.flatten(opt_state)
-    o_lays = [rule(x, spec_of(tuple(int(s) for s in x.shape))) for x in o_leaves]
+    specs = _opt_specs(p_lays, [tuple(int(s) for s in x.shape) for x in o_leaves], owners)
+    o_lays = [rule(x, spec) for x, spec in zip(o_leaves, specs)]
 
     param_dtype = np.dtype(param_dtype)
     mixed = param_dtype != np.dtype(np.float32)
@@ -278,3 +277,15 @@ def params_offloaded(plan: Plan) -> Plan:
     params = tuple(host(s, on) for s, on in zip(plan.params, sharded))
     master = plan.master and tuple(host(s, on) for s, on in zip(plan.master, sharded))
     return dataclasses.replace(plan, params=params, master=master)
+
+
+def _opt_specs(p_lays: list, shapes: list[tuple[int, ...]], owners: list[int] | None) -> list:
+    """The user spec of each optimizer-state leaf: its owner's where it has the owner's
+    shape (by shape alone, where unambiguous, when ``owners`` is None); else ``P()``."""
+    if owners is not None:
+        spec = lambda k, shape: p_lays[k].user_spec if k >= 0 and p_lays[k].shape == shape else P()
+        return [spec(k, shape) for k, shape in zip(owners, shapes)]
+    by_shape: dict[tuple[int, ...], set[P]] = {}
+    for lay in p_lays:
+        by_shape.setdefault(lay.shape, set()).add(lay.user_spec)
+    return [next(iter(by_shape[s])) if len(by_shape.get(s, ())) == 1 else P() for s in shapes]

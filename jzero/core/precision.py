@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .comm.quantize import GATHER_QUANTS, GRAD_QUANTS, Quant
 from .dtypes import float_dtype
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -40,31 +39,13 @@ class Precision:
             on for float16, off otherwise.
         initial_loss_scale: the starting scale (a power of two).
         growth_interval: good steps between doublings of the scale.
-        gather_quant: ``'int8'``: stage 3 all-gathers its parameters as int8 with one
-            fp32 scale per block of ``quant_block`` elements (ZeRO++'s qwZ, about 0.254x
-            fp32's bytes, 0.508x bf16's; :mod:`jzero.core.comm.quantize`); each element is
-            off by at most absmax/254 of its block. ``'fp8'``: the same bytes, as
-            float8_e4m3fn with ``scale = absmax / 448`` per block; each element is off by
-            at most ``max(|x| / 16, absmax / 458752)`` (e4m3's 3 mantissa bits: a relative
-            error, lower than int8's where a block holds outliers, about 4x higher on
-            Gaussian weights). Gradients are those at the dequantized parameters,
-            reduce-scattered unquantized in ``reduce_dtype``. None: gathered exactly.
-            Only stage 3 gathers parameters; other stages refuse it.
-        grad_quant: ``'int8'`` or ``'int4'``: stages 1-3 reduce-scatter their gradients
-            quantized (ZeRO++'s qgZ): each device quantizes the part of its gradient each
-            other device owns, with one fp32 scale per block of ``quant_block`` elements,
-            sends it in one all-to-all, and the owner dequantizes and sums the N parts in
-            fp32 (:mod:`jzero.core.comm.quantize`). Each device's contribution is off by at most
-            absmax/254 (int8) or absmax/14 (int4) of its block. None: reduced exactly in
-            ``reduce_dtype``. Stage 0 (all-reduce) refuses it.
-        quant_block: elements per fp32 scale of a quantized gather or reduce-scatter (a
-            positive int; even for ``grad_quant='int4'``, which packs two values a byte).
+        gather_quant, grad_quant, quant_block: not accepted here: quantized collectives
+            are a communication choice, given as ``ZeroOptimizer(...,
+            comm=jzero.Communication(gather_quant='int8'))`` (:class:`jzero.Communication`).
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=2,
         ...                           precision=jzero.Precision(param_dtype=jnp.bfloat16))
-        >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=3,
-        ...                           precision=jzero.Precision(gather_quant='int8'))
     """
 
     param_dtype: Any = jnp.float32
@@ -72,11 +53,14 @@ class Precision:
     dynamic_loss_scale: bool | None = None
     initial_loss_scale: float = 2.0**15
     growth_interval: int = 2000
-    gather_quant: Literal["int8", "fp8"] | None = None
-    grad_quant: Literal["int8", "int4"] | None = None
-    quant_block: int = 256
+    gather_quant: dataclasses.InitVar[Any] = None
+    grad_quant: dataclasses.InitVar[Any] = None
+    quant_block: dataclasses.InitVar[Any] = None
 
-    def __post_init__(self):
+    def __post_init__(self, gather_quant: Any, grad_quant: Any, quant_block: Any):
+        _refuse_communication(
+            gather_quant=gather_quant, grad_quant=grad_quant, quant_block=quant_block
+        )
         param = _check_dtype("param_dtype", self.param_dtype)
         reduce = param if self.reduce_dtype is None else self.reduce_dtype
         object.__setattr__(self, "param_dtype", param)
@@ -88,49 +72,11 @@ class Precision:
                 "Precision needs initial_loss_scale > 0 and growth_interval >= 1, got "
                 f"{self.initial_loss_scale} and {self.growth_interval}."
             )
-        quant = self.gather_quant  # a str: a dtype such as np.dtype('int8') equals 'int8'
-        if quant is not None and (not isinstance(quant, str) or quant not in GATHER_QUANTS):
-            raise ValueError(
-                "Precision.gather_quant must be None, 'int8' or 'fp8' (float8_e4m3fn), "
-                f"got {self.gather_quant!r}; e.g. Precision(gather_quant='fp8')."
-            )
-        if self.grad_quant is not None and self.grad_quant not in GRAD_QUANTS:
-            allowed = " or ".join(repr(q) for q in GRAD_QUANTS)
-            raise ValueError(
-                f"Precision.grad_quant must be None or {allowed}, got {self.grad_quant!r}; "
-                "e.g. Precision(grad_quant='int8')."
-            )
-        block = self.quant_block
-        if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 1:
-            raise ValueError(
-                f"Precision.quant_block must be a positive int (elements per fp32 scale), "
-                f"got {block!r}; e.g. Precision(gather_quant='int8', quant_block=256)."
-            )
-        if self.grad_quant == "int4" and block % 2:
-            raise ValueError(
-                f"Precision.quant_block must be even with grad_quant='int4' (two 4-bit "
-                f"values share a byte), got {block}; e.g. quant_block=256."
-            )
-        object.__setattr__(self, "quant_block", int(block))
 
     @property
     def mixed(self) -> bool:
         """Whether fp32 master weights are kept apart from the parameters."""
         return self.param_dtype != np.dtype(jnp.float32)
-
-    @property
-    def gather_quantizer(self) -> Quant | None:
-        """How stage 3's parameter all-gathers are quantized; None: they are exact."""
-        if self.gather_quant is None:
-            return None
-        return Quant(self.gather_quant, self.quant_block)
-
-    @property
-    def grad_quantizer(self) -> Quant | None:
-        """How gradient reduce-scatters are quantized; None: they are exact."""
-        if self.grad_quant is None:
-            return None
-        return Quant(self.grad_quant, self.quant_block)
 
     def cast(self, tree: Any, dtype: Any = None) -> Any:
         """Floating leaves of ``tree`` (arrays or shapes) to ``dtype`` (default ``param_dtype``)."""
@@ -144,6 +90,17 @@ class Precision:
             return x.astype(dtype)
 
         return jax.tree.map(cast, tree)
+
+
+def _refuse_communication(**given: Any) -> None:
+    """Quantized collectives moved to :class:`jzero.Communication`: say so, with the fix."""
+    named = {k: v for k, v in given.items() if v is not None}
+    if named:
+        args = ", ".join(f"{k}={v!r}" for k, v in named.items())
+        raise TypeError(
+            f"Precision({args}): quantized collectives are a communication choice, not a "
+            f"precision; pass ZeroOptimizer(..., comm=jzero.Communication({args})) instead."
+        )
 
 
 class LossScale(NamedTuple):

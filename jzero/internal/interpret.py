@@ -2,7 +2,7 @@
 with a feature's :class:`Rules` deciding what changes.
 
 Four features re-run traced jaxprs: stage 3's deferred gathers
-(:mod:`jzero.core.gather.autogather`), batch-axis aliases (:mod:`jzero.core.axis_alias`),
+(:mod:`jzero.core.gather.autogather`), batch-axis aliases (:mod:`jzero.core.axis_aliases`),
 and the offloaded update's split and chunks (:mod:`jzero.core.offload`). Each is a
 :class:`Rules` subclass; this module walks the jaxpr, binds every equation a rule leaves
 alone exactly as traced (in the equation's own context: its abstract mesh, ``compute_on``

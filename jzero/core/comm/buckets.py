@@ -8,7 +8,7 @@ Layout of a bucket: each leaf's shard, its shard dimension moved to the front, f
 and the leaves concatenated: one vector per device. ``all_gather`` stacks the N vectors;
 leaf i's rows of every device, reshaped, are its N shards in order along the front
 dimension, which moves back into place (no copy when the shard dimension is the leading
-one, as :func:`jzero.core.layout.leaf_layout` prefers). Padding is trimmed as in
+one, as :func:`jzero.core.leaf_layout.leaf_layout` prefers). Padding is trimmed as in
 :func:`jzero.core.comm.collectives.all_gather`. The reduce-scatter is the same picture read
 backwards, so both are exact: every element is reduced over the same devices as leaf by
 leaf.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..layout import LeafLayout, pad
+from ..leaf_layout import LeafLayout, pad
 from ..mesh import DATA
 
 

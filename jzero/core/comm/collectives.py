@@ -22,7 +22,7 @@ from ...internal.primitives import (
     is_trimming_pad,
     varying_axes,
 )
-from ..layout import LeafLayout, pad
+from ..leaf_layout import LeafLayout, pad
 from ..mesh import DATA
 from .buckets import all_gather_flat, reduce_scatter_flat
 from .quantize import Quant, quantized_all_gather, quantized_reduce_scatter

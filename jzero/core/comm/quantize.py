@@ -73,7 +73,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from ..layout import LeafLayout
+from ..leaf_layout import LeafLayout
 from ..mesh import DATA
 from .buckets import all_gather_flat, reduce_scatter_flat
 

@@ -47,12 +47,14 @@ import jax.numpy as jnp
 import optax
 from jax.experimental.compute_on import compute_on
 
-from ...internal.equation import equations
+from ...internal import interpret
+from ...internal.equation import Equation, equations
+from ...internal.interpret import REBINDS, Rules, bind, rebind
 from ...internal.interpret import value as read
-from ..layout import unpad
-from ..placement import store, to_device, to_host, view
+from ..leaf_layout import unpad
 from ..plan import Plan, Stored
 from ..precision import Precision
+from ..stored_form import store, to_device, to_host, view
 from .split import Bucket, Split, evaluate, split_update
 
 
@@ -89,19 +91,9 @@ def host_update(
         None without master weights).
     """
     split = split_update(tx, plan)
-    jaxpr = split.jaxpr.jaxpr
-    o, w = jax.tree.leaves(opt_state), jax.tree.leaves(weights)
-    n = len(plan.params)
-    env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
-    env |= dict(zip(jaxpr.invars[:n], jax.tree.leaves(grads.averaged)))
-    here = lambda j: view(to_device(plan, [o[j]], [plan.opt[j]]), [plan.opt[j]])[0]
-    env |= {jaxpr.invars[n + j]: here(j) for j in split.shared}
-    evaluate(split, split.first, env)  # on the device: counters, global norms
-    new_o, new_p, new_w = list(o), [None] * n, [None] * n
-    keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
-    for j in split.shared:
-        new = keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]])
-        new_o[j] = to_host(plan, store([new], [plan.opt[j]]), [plan.opt[j]])[0]
+    o, w, n = jax.tree.leaves(opt_state), jax.tree.leaves(weights), len(plan.params)
+    env, shared = _global_part(split, plan, grads, o, finite)
+    new_o, new_p, new_w = [shared.get(j, x) for j, x in enumerate(o)], [None] * n, [None] * n
     reduced = jax.tree.leaves(grads.reduced)
     common = _down((grads.denominator, finite))
     for b in split.buckets:
@@ -127,6 +119,25 @@ def host_update(
     )
 
 
+def _global_part(
+    split: Split, plan: Plan, grads: Gradients, o: list, finite: jax.Array | None
+) -> tuple[dict, dict[int, jax.Array]]:
+    """Evaluates the update's global part on the device (counters, global norms), from the
+    averaged gradients; the environment, and the new shared state leaves (host memory)."""
+    jaxpr, n = split.jaxpr.jaxpr, len(plan.params)
+    env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
+    env |= dict(zip(jaxpr.invars[:n], jax.tree.leaves(grads.averaged)))
+    here = lambda j: view(to_device(plan, [o[j]], [plan.opt[j]]), [plan.opt[j]])[0]
+    env |= {jaxpr.invars[n + j]: here(j) for j in split.shared}
+    evaluate(split, split.first, env)
+    keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
+    shared = {}
+    for j in split.shared:
+        new = keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]])
+        shared[j] = to_host(plan, store([new], [plan.opt[j]]), [plan.opt[j]])[0]
+    return env, shared
+
+
 def _down(xs: Any) -> Any:
     """``xs`` (arrays, or None) in host memory (a copy for those on the device)."""
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), xs)
@@ -134,7 +145,8 @@ def _down(xs: Any) -> Any:
 
 def _at_rest(plan: Plan, x: jax.Array, stored: Stored) -> jax.Array:
     """A host bucket's output ``x`` with its planned sharding, in host memory."""
-    return jax.device_put(x, plan.compute_sharding(stored))
+    sharding = plan.compute_sharding(stored)  # the constraint fixes the layout, the
+    return jax.device_put(jax.lax.with_sharding_constraint(x, sharding), sharding)  # put: memory
 
 
 def _free(split: Split, bucket: Bucket, plan: Plan) -> list[Any]:
@@ -148,7 +160,32 @@ def _free(split: Split, bucket: Bucket, plan: Plan) -> list[Any]:
     for eqn in (all_eqns[e] for e in bucket.equations):
         free += [v for v in eqn.variables if v not in made and v not in own and v not in free]
         made.update(eqn.outputs)
-    return free
+    outs = [split.jaxpr.jaxpr.outvars[i] for i in bucket.params]
+    outs += [split.jaxpr.jaxpr.outvars[n + j] for j in bucket.opt]  # e.g. one passed through
+    return free + [v for v in outs if v in jaxpr_vars(split) and v not in made | own | set(free)]
+
+
+def jaxpr_vars(split: Split) -> set[Any]:
+    """The jaxpr's inputs, constants and equation outputs (its outputs that are no literal)."""
+    jaxpr = split.jaxpr.jaxpr
+    made = {v for eqn in equations(split.jaxpr) for v in eqn.outputs}
+    return made | set(jaxpr.invars) | set(jaxpr.constvars)
+
+
+class _OnHost(Rules):
+    """A bucket's equations in a host computation: every value they make rests in host
+    memory (a constant or an iota with no host input is made in device memory by JAX, and
+    would not meet the host values it is combined with)."""
+
+    def apply(self, eqn: Equation, values: list[Any]) -> list[Any]:
+        outs = rebind(eqn, values, self) if eqn.kind in REBINDS else bind(eqn, values)
+        return [_to_host(x) for x in outs]
+
+
+def _to_host(x: Any) -> Any:
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        return x
+    return jax.device_put(x, jax.memory.Space.Host)
 
 
 def _bucket_program(
@@ -173,7 +210,7 @@ def _bucket_program(
             env[jaxpr.invars[n + j]] = view([x], [plan.opt[j]])[0]
         for i, x in zip(bucket.params, w):
             env[jaxpr.invars[n + m + i]] = view([x], [weights[i]])[0]
-        evaluate(split, bucket.equations, env)
+        interpret.evaluate(split.jaxpr, env, _OnHost(), bucket.equations)
         new_opt = []
         for j in bucket.opt:
             new = keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]])

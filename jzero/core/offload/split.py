@@ -29,6 +29,7 @@ import optax
 
 from ...internal import interpret
 from ...internal.equation import ClosedJaxpr, equations, is_literal
+from ..param_owners import param_owners
 from ..plan import Plan
 
 
@@ -61,15 +62,7 @@ class Split(NamedTuple):
 
 def _owners(tx: optax.GradientTransformation, plan: Plan, opt: Any) -> list[int] | None:
     """Per Optax-state leaf, the parameter leaf it belongs to (-1: none); None if unknown."""
-    index = jax.tree.unflatten(plan.params_def, list(range(len(plan.params))))
-    try:  # an init that inspects its parameters' values defeats optax's placeholders
-        owners = optax.tree_map_params(
-            tx, lambda _, i: i, opt, index, transform_non_params=lambda _: -1
-        )
-    except Exception:  # noqa: BLE001 -- any failure means: ownership unknown, do not split
-        return None
-    owners = jax.tree.leaves(owners)
-    return owners if len(owners) == len(jax.tree.leaves(opt)) else None
+    return param_owners(tx, plan.params_def, opt)
 
 
 def _cut(jaxpr: Any, labels: list[int], hard: list[bool]) -> tuple[set[int], dict] | None:

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import optax
 
 from ...internal.interpret import value as read
-from ..placement import store, to_device, to_host, view
 from ..plan import Plan, Stored
 from ..precision import Precision
+from ..stored_form import store, to_device, to_host, view
 from . import chunks
 from .chunks import Cut
 from .split import Bucket, Split, evaluate, split_update

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from .plan import HOST, NO_OFFLOAD, Offload, Stored
-from .state import ZeroState
+from .zero_state import ZeroState
 
 
 def check_state_offload(state: ZeroState, offload: Offload) -> None:

@@ -21,11 +21,11 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from .checks import check_live
-from .layout import pad, unpad
+from .leaf_layout import pad, unpad
 from .mesh_types import is_auto, on_compute_mesh, typed
 from .plan import Plan, Stored
 from .precision import LossScale, Precision
-from .state import ZeroState
+from .zero_state import ZeroState
 
 
 def _map(fn: Callable[[jax.Array, Stored], jax.Array], tree: Any, stored: tuple[Stored, ...]):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ..core.state import ZeroState
-from ..core.step import Metrics, TrainStep
+from ..core.step_options import StepOptions
+from ..core.train_step import Metrics, TrainStep
+from ..core.zero_state import ZeroState
 
 
 class AdapterStep:
@@ -27,3 +29,14 @@ class AdapterStep:
     def lower(self, state: Any, batch: Any) -> Any:
         zero = state if isinstance(state, ZeroState) else state.zero
         return self.core.lower(zero, batch)
+
+
+def adapter_options(options: StepOptions, *, with_model_state: bool) -> StepOptions:
+    """The user's options with the adapter's own model-state protocol (the adapter, not
+    the user, knows whether the loss carries model state)."""
+    if options.with_model_state:
+        raise TypeError(
+            "with_model_state is the adapter's to set (it passes the model's non-parameter "
+            "collections itself); leave it out of the Flax TrainState's train_step options."
+        )
+    return dataclasses.replace(options, with_model_state=with_model_state)

@@ -1,0 +1,56 @@
+"""Gradients, model state and aux reduced over the devices of a data-parallel step.
+
+Gradients: summed over the data group (all-reduced, or reduce-scattered to this device's
+shard), then, when hybrid, all-reduced across 'replica'. Model state and aux: one value on
+every device (means of floats; max or sum of integers; PRNG keys never averaged).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import rng
+from .comm.collectives import reduce_scatter
+from .comm.quantize import Quant
+from .leaf_layout import LeafLayout
+from .mesh import DATA, REPLICA
+from .plan import Plan
+
+
+def agree(x: jax.Array, axes) -> jax.Array:
+    """One value of a model-state leaf on every device: the mean of floats (e.g. batch
+    statistics, as synchronised batch norm would give), the max of integers (counters);
+    PRNG keys are never averaged (:func:`.rng.agree`: device 0's where they differ)."""
+    if rng.is_key(x):
+        return rng.agree(x, axes)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, axes)
+    return jax.lax.pmax(x, axes)
+
+
+def combine_micro(x: jax.Array) -> jax.Array:
+    """Aux over micro-batches (leading axis): the mean of floats, the sum of integers."""
+    return x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)
+
+
+def agree_aux(x: jax.Array, axes) -> jax.Array:
+    """Aux over devices: the mean of floats (per-batch metrics), the sum of integers (counts)."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, axes)
+    return jax.lax.psum(x, axes)
+
+
+def reduce(plan: Plan, g: jax.Array, lay: LeafLayout, quant: Quant | None) -> jax.Array:
+    """Sum over the data group (all-reduce, or this device's reduce-scattered shard, sent
+    quantized with ``quant``), then, when hybrid, across replicas: an all-reduce of what
+    the data group left on the device."""
+    if not lay.sharded:
+        g = jax.lax.psum(g, DATA)  # stage 0, and small replicated leaves
+    elif not plan.partitions_grads:
+        g = reduce_scatter(g, lay, quant)  # P_os: once, after backward
+    # stages 2/3: reduce-scattered already, inside backward
+    if plan.hybrid:
+        g = jax.lax.psum(g, REPLICA)
+    return g
