@@ -800,11 +800,16 @@ STAGES_1_TO_3 = (
             'optimizer state in host memory, or "none".',
         ),
         (
-            {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}},
-            "zero_optimization.offload_param.device = 'cpu': jzero does not offload "
-            "parameters: they stay on the accelerator (sharded at stage 3). Offload the "
-            'optimizer state instead (offload_optimizer: {"device": "cpu"}), or use '
-            '"device": "none".',
+            {"stage": 2, "offload_param": {"device": "cpu", "pin_memory": True}},
+            "zero_optimization.offload_param.device = 'cpu': parameter offload needs stage 3 "
+            "(as in DeepSpeed): below it every device holds the whole parameters. Set "
+            "zero_optimization.stage to 3.",
+        ),
+        (
+            {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}},
+            "zero_optimization.offload_param.device = 'nvme': jzero offloads parameters to "
+            'pinned host memory only, not to NVMe (ZeRO-Infinity). Use "device": "cpu" to '
+            'keep stage 3\'s parameter shards in host memory, or "none".',
         ),
         (
             {"zero_quantized_gradients": True},
@@ -883,6 +888,26 @@ def test_optimizer_offloaded_by_the_config_trains_as_single_device_optax():
     full = opt.full_state(state)
     _models.assert_tree_close(full.params, ref.params, rtol=1e-6, atol=1e-6)
     _models.assert_tree_close(full.opt_state, ref.opt_state, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("zero", "offload"),
+    [
+        ({"offload_param": {"device": "cpu", "pin_memory": True}}, jzero.Offload(params=True)),
+        (
+            {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            jzero.Offload(optimizer="host", params=True),
+        ),
+    ],
+)
+def test_parameter_offload_maps_to_offload_params(zero, offload):
+    ds = load({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, **zero}})
+    opt = ds.optimizer(jzero.data_mesh(), tx=optax.adam(1e-2))
+    assert opt.offload == offload
+    state = opt.init(_models.stacked_params())
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    assert kinds((state.params, state.master)) == {"pinned_host"}
+    assert kinds(state.opt_state) == {"pinned_host" if offload.optimizer else "device"}
 
 
 # ------------------------------------------------------------------ every problem at once

@@ -27,6 +27,7 @@ from jzero.internal.primitives import (
     Kind,
     checkpoint_name_of,
     custom_vjp_body,
+    is_copy_to_device,
     is_trimming_pad,
     kind,
     varying_axes,
@@ -84,6 +85,7 @@ PRIMITIVES = {  # attribute of jax.extend.core.primitives -> the primitive's nam
     "all_gather_p": "all_gather",
     "all_to_all_p": "all_to_all",
     "ppermute_p": "ppermute",
+    "device_put_p": "device_put",
 }
 _ELEMENTWISE = [
     *("add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "clamp", "sqrt"),
@@ -148,6 +150,7 @@ PARAMS = {  # primitive -> (a function whose jaxpr holds it, the parameters jzer
     "pad": (lambda x: jax.lax.pad(x, 0.0, [(0, -1, 0)]), ("padding_config",)),
     "broadcast_in_dim": (lambda x: jnp.broadcast_to(x.sum(), (4,)), ("shape", "sharding")),
     "name": (lambda x: jax.ad_checkpoint.checkpoint_name(x, "n"), ("name",)),
+    "device_put": (lambda x: jax.device_put(x, jax.memory.Space.Device), ("devices",)),
 }
 
 
@@ -203,6 +206,10 @@ def test_remat_policies_read_pads_and_names():
     assert is_trimming_pad(pad.primitive, pad.params), _changed("pad's padding_config", "changed")
     name = _eqn(PARAMS["name"][0], X, prim_name="name").jaxpr_eqn
     assert checkpoint_name_of(name.primitive, name.params) == "n"
+    put = _eqn(PARAMS["device_put"][0], X, prim_name="device_put").jaxpr_eqn
+    assert is_copy_to_device(put.primitive, put.params), _changed(
+        "device_put's devices (a jax.memory.Space target)", "changed"
+    )
     vjp = _eqn(_custom_vjp, X, prim_name="custom_vjp_call").jaxpr_eqn
     body = [p.name for p, _ in custom_vjp_body(vjp.primitive, vjp.params)]
     assert body == ["mul"], _changed(

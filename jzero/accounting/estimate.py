@@ -17,8 +17,13 @@ memory. Streamed (``offload="stream"``, or its shorthand ``"optimizer"``), the d
 the two pieces streaming through it: a leaf's state, cut into chunks of at most
 C = ``offload_chunk`` elements when its update is elementwise (Adam, AdamW, SGD), so at
 most 2·K·min(Ψ_layer, C)/N. With the step on the host (``offload="host"``) the device
-keeps no optimizer bytes. ``offload_params`` (stage 3) moves the 1/N parameter shards to
-host memory too; the device still holds the gathered layer.
+keeps no optimizer bytes.
+
+Parameter offload (ZeRO-Infinity's ``offload_param``, ``offload_params=True``, stage 3)
+moves the parameter shards (2Ψ/N mixed, 4Ψ/N fp32) and, in mixed precision with the
+optimizer on the device, the fp32 master weights (4Ψ/N) to host memory; the device keeps
+copies of the shards of the layers being gathered (one layer, two with prefetch). The
+device update copies the master weights in, so K·Ψ/N stays in the device's count.
 """
 
 from __future__ import annotations
@@ -306,7 +311,8 @@ def estimate(
             whole leaf, more than this.
         offload_chunk: ``jzero.Offload(chunk=...)``, elements per streamed chunk.
         offload_params: ``jzero.Offload(params=True)`` (stage 3): the parameter shards
-            (Ψ/N) are in ``host_bytes`` instead of device memory.
+            (and, in mixed precision with the optimizer on the device, the fp32 master
+            weights) are in ``host_bytes``; the device keeps the gathered layers' shards.
         hpz: stage 3 with ``Communication(hpz=G)``: forward keeps each parameter gathered
             over groups of G devices for backward, ``secondary_bytes`` = Ψ·bytes/G (in
             the param dtype, divided by M). G must divide the data group.
@@ -333,7 +339,12 @@ def estimate(
         piece = min(largest_layer_params, offload_chunk)
         optimizer_b = 2 * k * piece / model_parallel / group if mode == "stream" else 0.0
     if offload_params:
-        host, params_b = host + params_b, 0.0
+        layers = (2 if prefetch else 1) * largest_layer_params
+        fraction = min(layers / params, 1.0) if params else 0.0
+        # an offloaded optimizer's host bytes (K) hold the master weights already
+        master_b = 4 * params / model_parallel / group if precision == "mixed" else 0.0
+        params_b, more = params_b * fraction, params_b + (master_b if mode is None else 0.0)
+        host += more
     extra = (gathered, float(activation_bytes), float(buffer_bytes), host)
     secondary = _secondary_bytes(hpz, stage, group, pb * params / model_parallel)
     return Estimate(stage, params_b, grads_b, optimizer_b, *extra, secondary)

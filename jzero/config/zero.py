@@ -1,9 +1,9 @@
 """DeepSpeed's ``"zero_optimization"``: the stage, the stage-3 persistence threshold as
-``min_shard_size``, optimizer offload to the CPU as ``offload="optimizer"``, ZeRO++ quantized
+``min_shard_size``, optimizer offload to the CPU as ``Offload(optimizer="host")``, ZeRO++ quantized
 weights and gradients as ``Communication(gather_quant="int8")`` and
 ``Communication(grad_quant="int8")``, ZeRO++'s hpZ (``zero_hpz_partition_size``) as
-``Communication(hpz=...)``; offloading to NVMe or offloading parameters refused; the
-performance knobs jzero has no use for warned.
+``Communication(hpz=...)``, parameter offload to the CPU as ``Offload(params=True)``;
+offloading to NVMe refused; the performance knobs jzero has no use for warned.
 
 ``offload_optimizer`` with ``"device": "cpu"`` (or DeepSpeed's older ``"cpu_offload": true``)
 is ``jzero.Offload(optimizer="host")``: the sharded optimizer state and fp32 master weights
@@ -14,6 +14,12 @@ on the accelerator); jzero's other mode, streaming the state through the acceler
 (``Offload(optimizer="stream")``), has no DeepSpeed key. The numbers are those of the run
 without offload. ``sub_group_size`` bounds the streamed mode's chunks only: with the
 config's host step it changes nothing (noted).
+
+``offload_param`` with ``"device": "cpu"`` (stage 3 only, as in DeepSpeed) keeps stage 3's
+parameter shards, and their fp32 master weights, in pinned host memory (ZeRO-Infinity's
+parameter offload); each layer's shards are copied to the device where they are gathered,
+in forward and again in backward. Parameters too small to be sharded (below
+``stage3_param_persistence_threshold``) stay on the device, as DeepSpeed keeps them.
 
 ``stage3_param_persistence_threshold``: DeepSpeed keeps parameters of at most that many
 elements whole at stage 3 (``numel <= threshold``); jzero's ``min_shard_size`` keeps leaves
@@ -53,10 +59,9 @@ NVME = (
     '"device": "cpu" to keep the optimizer state in host memory, or "none".'
 )
 NVME_ONLY = no_effect("it configures NVMe offload; jzero offloads to host memory only")
-PARAMS = (
-    "jzero does not offload parameters: they stay on the accelerator (sharded at stage 3). "
-    'Offload the optimizer state instead (offload_optimizer: {"device": "cpu"}), or use '
-    '"device": "none".'
+NVME_PARAMS = (
+    "jzero offloads parameters to pinned host memory only, not to NVMe (ZeRO-Infinity). Use "
+    '"device": "cpu" to keep stage 3\'s parameter shards in host memory, or "none".'
 )
 PINNED = "jzero always keeps offloaded state in pinned (page-locked) host memory"
 OFFLOAD_OPTIMIZER = {  # with "device": "cpu"; any other device: every key but it has no effect
@@ -68,13 +73,14 @@ OFFLOAD_OPTIMIZER = {  # with "device": "cpu"; any other device: every key but i
     **dict.fromkeys(("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"), NVME_ONLY),
     **dict.fromkeys(("fast_init", "pipeline_read", "pipeline_write"), NVME_ONLY),
 }
-OFFLOAD_PARAM = {  # only "device": "none" passes, so every other key has no effect
-    "device": Key(DEVICES, "none", refused=PARAMS, matches=("none",)),
-    **dict.fromkeys(
-        ("pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "ratio"),
-        NOTHING_OFFLOADED,
+OFFLOAD_PARAM = {  # with "device": "cpu"; any other device: every key but it has no effect
+    "device": Key(DEVICES, "none", refused=NVME_PARAMS, matches=("none", "cpu")),
+    "pin_memory": Key(boolean, False, no_effect=PINNED, matches=(True,)),
+    "ratio": Key(
+        number, 1.0, no_effect="jzero offloads every sharded parameter (ratio 1)", matches=(1.0,)
     ),
-    **dict.fromkeys(("fast_init", "pipeline_read", "pipeline_write"), NOTHING_OFFLOADED),
+    **dict.fromkeys(("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"), NVME_ONLY),
+    **dict.fromkeys(("fast_init", "pipeline_read", "pipeline_write"), NVME_ONLY),
 }
 ZERO = {
     "stage": Key(stage, 0),
@@ -176,10 +182,27 @@ def _min_shard_size(zero: Section) -> int | None:
 
 
 def _offload(zero: Section) -> Offload | None:
-    """The :class:`Offload` when ``offload_optimizer`` (or ``cpu_offload``) offloads to the
-    CPU; refuses parameter offload, NVMe, both spellings at once, and stage 0."""
+    """The :class:`Offload` that ``offload_optimizer`` (or ``cpu_offload``) and
+    ``offload_param`` set with ``"device": "cpu"``; refuses NVMe, both optimizer spellings
+    at once, optimizer offload at stage 0 and parameter offload below stage 3."""
+    optimizer = attempt(_offload_optimizer, zero)
+    param = zero.section("offload_param", _for_device(zero, "offload_param"))
+    params = param["device"] == "cpu"
+    if params and zero["stage"] != 3:
+        param.refuse(
+            "device",
+            "parameter offload needs stage 3 (as in DeepSpeed): below it every device holds "
+            "the whole parameters. Set zero_optimization.stage to 3.",
+        )
+    if optimizer is None and not params:
+        return None
+    return Offload(optimizer=optimizer, params=params)
+
+
+def _offload_optimizer(zero: Section) -> Literal["host"] | None:
+    """``"host"`` (the update runs on the host, as DeepSpeed's CPU Adam) when
+    ``offload_optimizer`` (or ``cpu_offload``) offloads to the CPU."""
     optimizer = zero.section("offload_optimizer", _for_device(zero, "offload_optimizer"))
-    zero.section("offload_param", _for_device(zero, "offload_param"))
     if "cpu_offload" in zero and "offload_optimizer" in zero:
         zero.refuse(
             "cpu_offload",
@@ -200,7 +223,7 @@ def _offload(zero: Section) -> Offload | None:
             "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3.",
         )
     _note_sub_group_size(zero, offloaded=True)
-    return Offload(optimizer="host")
+    return "host"
 
 
 def _for_device(zero: Section, key: str) -> Mapping[str, Key]:

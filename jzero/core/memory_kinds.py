@@ -44,11 +44,7 @@ def check_memory(state: ZeroState) -> None:
             got, want = _memory(x), _kind(s)
             if got is None or got == want:
                 continue
-            how = (
-                f"the optimizer's leaves rest in host memory (offload={_spelled(plan.offload)})"
-                if plan.offloads
-                else "nothing is offloaded (offload=None)"
-            )
+            how = _offloaded(plan.offload)
             raise ValueError(
                 f"state.{field} leaf {jax.tree_util.keystr(path)} is in {got!r} memory, but "
                 f"its plan stores it in {want!r} memory: {how}. jzero does not move a state "
@@ -56,6 +52,17 @@ def check_memory(state: ZeroState) -> None:
                 f"x.sharding.with_memory_kind({want!r})), or restore the state with "
                 "jzero.Checkpointer.restore(opt, ...), which places every leaf as planned."
             )
+
+
+def _offloaded(offload: Offload) -> str:
+    """What ``offload`` keeps in host memory, for messages."""
+    if offload == NO_OFFLOAD:
+        return "nothing is offloaded (offload=None)"
+    what = [
+        *(["the optimizer's leaves"] if offload.optimizer is not None else []),
+        *(["stage 3's sharded parameters and their master weights"] if offload.params else []),
+    ]
+    return f"{' and '.join(what)} rest in host memory (offload={_spelled(offload)})"
 
 
 def _spelled(offload: Offload) -> str:

@@ -148,7 +148,12 @@ class Plan:
     @property
     def offloads(self) -> bool:
         """Whether the optimizer state and master weights rest in host memory (``HOST``)."""
-        return any(s.memory_kind == HOST for s in (*self.opt, *(self.master or ())))
+        return self.offload.optimizer is not None
+
+    @property
+    def offloads_params(self) -> bool:
+        """Whether stage 3's parameter shards rest in host memory (``HOST``)."""
+        return any(s.memory_kind == HOST for s in self.params)
 
     @property
     def host_step(self) -> bool:
@@ -258,7 +263,20 @@ def make_plan(
             Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind)
             for lay, x in zip(p_lays, p_leaves)
         )
-    return Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, offload)
+    plan = Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, offload)
+    return params_offloaded(plan) if offload.params else plan
+
+
+def params_offloaded(plan: Plan) -> Plan:
+    """``plan`` with stage 3's sharded parameter leaves, and their fp32 master weights, in
+    host memory (``HOST``): ZeRO-Infinity's parameter offload. Leaves too small to be
+    sharded stay on the device, whole (as DeepSpeed keeps parameters below its persistence
+    threshold), and so does the Optax state unless the optimizer is offloaded too."""
+    sharded = [s.layout.sharded for s in plan.params]
+    host = lambda s, on: dataclasses.replace(s, memory_kind=HOST) if on else s
+    params = tuple(host(s, on) for s, on in zip(plan.params, sharded))
+    master = plan.master and tuple(host(s, on) for s, on in zip(plan.master, sharded))
+    return dataclasses.replace(plan, params=params, master=master)
 
 
 def _opt_specs(p_lays: list, shapes: list[tuple[int, ...]], owners: list[int] | None) -> list:

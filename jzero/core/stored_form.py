@@ -68,10 +68,16 @@ def to_host(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
 
 
 def constrain(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
-    """``with_sharding_constraint`` of every leaf to its planned sharding (on the compute
-    mesh)."""
-    wsc = lambda x, s: jax.lax.with_sharding_constraint(x, plan.compute_sharding(s))
-    return _map(wsc, tree, stored)
+    """``with_sharding_constraint`` of every leaf (computed in device memory) to its planned
+    sharding on the compute mesh; a leaf the plan stores in host memory is moved there
+    (:func:`to_host`)."""
+
+    def place(x: jax.Array, s: Stored) -> jax.Array:
+        if s.memory_kind is not None:
+            return to_host(plan, [x], [s])[0]
+        return jax.lax.with_sharding_constraint(x, plan.compute_sharding(s))
+
+    return _map(place, tree, stored)
 
 
 def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
@@ -149,7 +155,7 @@ def _whole(plan: Plan, stored: tuple[Stored, ...], treedef: Any) -> Any:
 @functools.lru_cache(maxsize=32)
 def _full_params_program(plan: Plan) -> Callable[[Any], Any]:
     out = _whole(plan, plan.params, plan.params_def)
-    program = lambda params: view(params, plan.params)
+    program = lambda params: view(to_device(plan, params, plan.params), plan.params)
     return jax.jit(on_compute_mesh(program, plan.mesh), out_shardings=out)
 
 
@@ -171,7 +177,7 @@ def _full_state_program(plan: Plan) -> Callable[[Any, Any, Any], Any]:
         if plan.master is not None:
             master = view(to_device(plan, master, plan.master), plan.master)
         opt_state = view(to_device(plan, opt_state, plan.opt), plan.opt)
-        return view(params, plan.params), opt_state, master
+        return view(to_device(plan, params, plan.params), plan.params), opt_state, master
 
     return jax.jit(on_compute_mesh(program, plan.mesh), out_shardings=out)
 

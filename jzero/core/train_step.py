@@ -35,7 +35,7 @@ from .offload.update import offloaded_update
 from .plan import Plan
 from .precision import Precision
 from .step_options import StepOptions
-from .stored_form import constrain, store, typed_state, view
+from .stored_form import constrain, store, to_device, typed_state, view
 from .weighted import CountWatch, Weighted, counted, divisor, skip_uncounted
 from .zero_state import ZeroState
 
@@ -225,7 +225,9 @@ def _update(
     invalid :class:`Weighted` count) the step keeps the old parameters, Optax state and
     master weights. With an offloaded optimizer the state streams through the device
     (:func:`.offload.update.offloaded_update`), or is updated on the host
-    (:func:`.offload.host_step.host_update`).
+    (:func:`.offload.host_step.host_update`). Leaves the plan stores in host memory
+    (offloaded parameters and master weights too) are copied in to be updated on the
+    device and the new ones written back there (:func:`.placement.constrain`).
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params
@@ -233,33 +235,43 @@ def _update(
         params, opt_state, master = host_update(
             tx, precision, plan, grads, state.opt_state, weights, finite
         )
-    elif plan.offloads:
-        params, opt_state, master = offloaded_update(
+    else:
+        update = offloaded_update if plan.offloads else _device_update
+        params, opt_state, master = update(
             tx, precision, plan, grads.averaged, state.opt_state, weights, finite
         )
-    else:
-        master = view(weights, plan.master if plan.master is not None else plan.params)
-        opt_state = view(state.opt_state, plan.opt)
-        updates, opt_state = tx.update(grads.averaged, opt_state, master)
-        master = optax.apply_updates(master, updates)
-        opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
-        params = precision.cast(master)
-        if plan.master is not None:
-            master = constrain(plan, store(master, plan.master), plan.master)
-        else:
-            master = None
     if plan.partitions_opt_state and not plan.partitions_params:
         params = _all_gather_params(plan, params)
     params = constrain(plan, store(params, plan.params), plan.params)
-    new = state.replace(params=params, opt_state=opt_state, master=master)
-    if finite is not None and not plan.offloads:
+    return state.replace(params=params, opt_state=opt_state, master=master)
+
+
+def _device_update(
+    tx: optax.GradientTransformation,
+    precision: Precision,
+    plan: Plan,
+    grads: Any,
+    opt_state: Any,
+    weights: Any,
+    finite: jax.Array | None,
+) -> tuple[Any, Any, Any]:
+    """The Optax update with the state on the device; as ``offloaded_update``, returns the
+    new parameters (true shapes, on the device), the stored Optax state and the stored
+    master weights (None without)."""
+    stored = plan.master if plan.master is not None else plan.params
+    old = view(to_device(plan, weights, stored), stored)
+    old_state = view(opt_state, plan.opt)
+    updates, opt_state = tx.update(grads, old_state, old)
+    master = optax.apply_updates(old, updates)
+    if finite is not None:  # the old values where the step is skipped
         keep = lambda new, old: jnp.where(finite, new, old)
-        new = new.replace(
-            params=jax.tree.map(keep, new.params, state.params),
-            opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
-            master=jax.tree.map(keep, new.master, state.master),
-        )
-    return new
+        master = jax.tree.map(keep, master, old)
+        opt_state = jax.tree.map(keep, opt_state, old_state)
+    opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
+    params = precision.cast(master)
+    if plan.master is None:
+        return params, opt_state, None
+    return params, opt_state, constrain(plan, store(master, plan.master), plan.master)
 
 
 def _all_gather_params(plan: Plan, params: Any) -> Any:

@@ -115,6 +115,14 @@ def is_trimming_pad(prim: Primitive, params: dict[str, Any]) -> bool:
     return prim is jax.lax.pad_p and any(hi < 0 for _, hi, _ in params["padding_config"])
 
 
+def is_copy_to_device(prim: Primitive, params: dict[str, Any]) -> bool:
+    """Whether ``prim`` is a ``jax.device_put`` into the device's own memory (inside
+    ``jit``: a copy in from host memory, e.g. of an offloaded parameter shard)."""
+    return prim is prims.device_put_p and any(
+        d == jax.memory.Space.Device for d in params["devices"]
+    )
+
+
 def checkpoint_name_of(prim: Primitive, params: dict[str, Any]) -> str | None:
     """The name ``jax.ad_checkpoint.checkpoint_name`` gave a value, if ``prim`` is its."""
     return params["name"] if prim is prims.name_p else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ...internal.primitives import (
     checkpoint_name_of,
     custom_vjp_body,
+    is_copy_to_device,
     is_trimming_pad,
     varying_axes,
 )
@@ -36,11 +37,14 @@ it: backward then gathers again instead of keeping forward's copy alive."""
 def regather_policy(prim: Any, *_: Any, **params: Any) -> bool:
     """Remat policy for stage 3: save anything except gathered parameters.
 
-    Refuses the results of ``all_gather`` and of the negative ``lax.pad`` that trims its
-    padding (user code has no use for negative pads),
-    so backward gathers each parameter again rather than keeping forward's copy.
+    Refuses the results of ``all_gather``, of the negative ``lax.pad`` that trims its
+    padding (user code has no use for negative pads) and of copies into device memory
+    (an offloaded shard brought in to be gathered), so backward copies and gathers each
+    parameter again rather than keeping forward's copy.
     """
     if prim is jax.lax.all_gather_p or is_trimming_pad(prim, params):
+        return False
+    if is_copy_to_device(prim, params):
         return False
     return checkpoint_name_of(prim, params) != GATHERED
 
@@ -81,13 +85,36 @@ def saves_no_gathered(policy: Callable[..., Any]) -> Callable[..., Any]:
     return combined
 
 
-def after(tree: Any, dep: Any) -> Any:
+def in_host_memory(x: Any) -> bool:
+    """Whether the (traced) array ``x`` is in host memory, e.g. an offloaded shard."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def on_device(x: jax.Array) -> jax.Array:
+    """``x`` in the device's own memory: a host -> device copy where ``x`` rests in host
+    memory (stage 3's parameter shards with ``Offload(params=True)``), else ``x`` itself.
+
+    Every gather starts with it, inside the ``custom_vjp`` (or remat region) that gathers,
+    so backward copies the shard in again where it gathers again: the device never keeps
+    a copy of an offloaded shard between forward and backward.
+    """
+    if in_host_memory(x):
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
+def after(tree: Any, dep: Any, *, only: Literal["host", "device"] | None = None) -> Any:
     """``tree`` unchanged bit for bit, but data-dependent on every float leaf of ``dep``.
 
     An ordering constraint that survives XLA:CPU, whose pipeline drops optimization
     barriers before scheduling: each float leaf of ``tree`` gets an exact zero derived
     from ``dep`` added (``x * 0`` of a finite value is never folded). Leaves whose
-    varying mesh axes don't include ``dep``'s are left alone.
+    varying mesh axes don't include ``dep``'s are left alone. A leaf in host memory (an
+    offloaded shard) is tied by an ``optimization_barrier`` instead (no arithmetic on host
+    memory; XLA:CPU, which drops the barrier, has one memory and no copy to order). It
+    has no transpose for a host leaf's (device-typed) zero cotangent: ``only="device"``
+    or ``"host"`` ties those leaves alone, so that a differentiated tie can leave host
+    leaves to an undifferentiated one.
     """
     floats = [d for d in jax.tree.leaves(dep) if jnp.issubdtype(d.dtype, jnp.inexact) and d.size]
     if not floats:
@@ -98,6 +125,11 @@ def after(tree: Any, dep: Any) -> Any:
     def tie(a):
         if not jnp.issubdtype(a.dtype, jnp.inexact) or not varying_axes(zero) <= varying_axes(a):
             return a
+        host = in_host_memory(a)
+        if only is not None and only != ("host" if host else "device"):
+            return a
+        if host:
+            return jax.lax.optimization_barrier((a, zero))[0]
         return a + zero.astype(a.dtype)
 
     return jax.tree.map(tie, tree)
@@ -141,11 +173,13 @@ def _use(
     quant: Quant | None,
     grad_quant: Quant | None,
 ) -> jax.Array:
-    """``gathers`` (stage 3): all-gather the shard ``value`` (``quant``: quantized,
+    """``gathers`` (stage 3): all-gather the shard ``value``, first copied to the device
+    where it rests in host memory (:func:`on_device`; ``quant``: quantized,
     :mod:`.quantize`); otherwise (stage 2) use the local full copy ``value``. Either way
     the backward pass reduce-scatters the cotangent, in ``reduce_dtype`` (``grad_quant``:
     quantized), into ``sink``."""
     del sink, grad_quant
+    value = on_device(value) if gathers else value
     if gathers and quant is not None:
         return checkpoint_name(quantized_all_gather([value], [layout], quant=quant)[0], GATHERED)
     if gathers:
@@ -178,6 +212,7 @@ def _use_bucket(
     ``quant``: quantized) and, in backward, one flat reduce-scatter (:mod:`.buckets`;
     ``grad_quant``: quantized)."""
     del sinks, grad_quant
+    values = [on_device(x) for x in values] if gathers else values
     if gathers and quant is not None:
         full = quantized_all_gather(values, layouts, quant=quant)
         return [checkpoint_name(x, GATHERED) for x in full]

@@ -26,7 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from ..comm.buckets import all_gather_flat
-from ..comm.collectives import Sharded, after, all_gather, reduce_scatter, scatter_flat
+from ..comm.collectives import (
+    Sharded,
+    after,
+    all_gather,
+    on_device,
+    reduce_scatter,
+    scatter_flat,
+)
 from ..comm.quantize import quantized_all_gather
 
 Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
@@ -68,7 +75,9 @@ def _gather(values: list, layouts: tuple, how: tuple, i: Any, dep: Any = None) -
     """Layer ``i``'s parameters gathered; ``how``: (bucketed, quantized as, gradients
     quantized as)."""
     bucket, quant, _ = how
-    shards = [jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False) for v in values]
+    # Offloaded stacks rest in host memory: the layer's shards are copied in here, per
+    # step, in forward and again in backward.
+    shards = [on_device(jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False)) for v in values]
     if dep is not None:
         shards = after(shards, dep)
     if quant is not None and bucket:

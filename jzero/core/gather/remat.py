@@ -26,6 +26,7 @@ from ..comm.collectives import (
     Sharded,
     after,
     gather,
+    in_host_memory,
     saves_no_gathered,
     with_secondaries,
     without_secondaries,
@@ -42,7 +43,18 @@ def _tie_unsaved(params: Any, dep: Any) -> Any:
     """``after(params, dep)``, named ``GATHERED`` so that no remat policy saves the tied copy:
     backward recomputes it from the stored shard instead of keeping a second one."""
     tie = lambda x: checkpoint_name(x, GATHERED) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-    return jax.tree.map(tie, after(params, dep))
+    return jax.tree.map(tie, after(params, dep, only="device"))
+
+
+def _typed_like(cts: tuple, primals: tuple) -> tuple:
+    """``cts`` with each cotangent in its primal's memory, as a ``custom_vjp`` must return
+    them: an offloaded shard's (zero: only the handle's sink is differentiated) goes to
+    host memory."""
+
+    def like(ct: Any, x: Any) -> Any:
+        return jax.device_put(ct, jax.memory.Space.Host) if in_host_memory(x) else ct
+
+    return jax.tree.map(like, cts, primals)
 
 
 def remat_layer(
@@ -111,7 +123,8 @@ def remat_layer(
             kept, args = residuals
             _, vjp = jax.vjp(plain, after(kept, ct), *args)  # gathers again, then VJP
             d_params, *d_args = vjp(ct)
-            return without_secondaries(d_params), *d_args
+            primals = (without_secondaries(kept), *args)
+            return _typed_like((without_secondaries(d_params), *d_args), primals)
 
     else:
         # The tie is inside the checkpoint and unsaveable, so the residuals hold the
@@ -122,12 +135,15 @@ def remat_layer(
         )
 
         def layer_fwd(params, *args):
-            return jax.vjp(saving, params, *args)  # residuals: the VJP's (a pytree)
+            params = after(params, args, only="host")  # offloaded shards: tied out here
+            out, vjp = jax.vjp(saving, params, *args)
+            return out, (vjp, (params, *args))  # residuals: the VJP's (a pytree)
 
-        def layer_bwd(vjp, ct):
+        def layer_bwd(residuals, ct):
             # Every residual tied to the cotangent: the re-gather (recomputed from the
             # shards) cannot run, or merge with forward's gather, before ct exists.
-            return after(vjp, ct)(ct)
+            vjp, primals = residuals
+            return _typed_like(after(vjp, ct)(ct), primals)
 
     layer.defvjp(layer_fwd, layer_bwd)
     checkpointed = jax.checkpoint(plain, policy=policy)
