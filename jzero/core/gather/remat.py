@@ -46,6 +46,14 @@ def _tie_unsaved(params: Any, dep: Any) -> Any:
     return jax.tree.map(tie, after(params, dep, only="device"))
 
 
+def _has_hpz(params: Any) -> bool:
+    """Whether any handle in ``params`` gathers in hpZ's two steps (and so keeps a
+    secondary copy for backward)."""
+    is_handle = lambda x: isinstance(x, Sharded)
+    leaves = jax.tree.leaves(params, is_leaf=is_handle)
+    return any(is_handle(x) and x.hpz is not None for x in leaves)
+
+
 def _typed_like(cts: tuple, primals: tuple) -> tuple:
     """``cts`` with each cotangent in its primal's memory, as a ``custom_vjp`` must return
     them: an offloaded shard's (zero: only the handle's sink is differentiated) goes to
@@ -116,8 +124,10 @@ def remat_layer(
     if policy is None:
 
         def layer_fwd(params, *args):
+            if not _has_hpz(params):
+                return layer(params, *args), (params, args)  # residuals: shards and inputs
             kept = with_secondaries(after(params, args))  # hpZ: secondary copies, kept
-            return plain(kept, *args), (kept, args)  # residuals: shards and inputs only
+            return plain(kept, *args), (kept, args)
 
         def layer_bwd(residuals, ct):
             kept, args = residuals
