@@ -5,15 +5,21 @@
 
 - forward: layer i+1's all-gather is issued in the loop step that computes layer i (the
   gathered layer rides in the loop carry), so on GPU the latency-hiding scheduler can
-  overlap it with layer i's compute; each layer's input is kept;
-- backward, in reverse: layer i-1's all-gather is issued in the step that recomputes layer
-  i's forward from its kept input and takes its VJP; the weight cotangent is
-  reduce-scattered (cast to the reduce dtype) in that step.
+  overlap it with layer i's compute; each step takes its layer's VJP (``jax.vjp``) and
+  stores its residuals, less those that are the layer's own arguments (the gathered
+  parameters, the loop constants, its slice of ``xs``);
+- backward, in reverse: layer i-1's all-gather is issued in the step that runs layer i's
+  VJP from its stored residuals, with layer i's parameters (gathered one step earlier) put
+  back in their place; the weight cotangent is reduce-scattered (cast to the reduce dtype)
+  in that step.
 
-So two layers' gathered parameters are alive at a time instead of one (the estimator's
-``prefetch=True`` term), and backward recomputes each layer's forward, as
-:func:`jzero.remat_layer` with ``policy=None`` does. Values are those of the plain scan:
-the same gathers, the same layer function, the same reductions.
+What the residuals hold is ``policy``'s choice (:attr:`jzero.StepOptions.remat_policy`):
+None keeps every activation, as FSDP does, and backward recomputes nothing (compiled dot
+FLOPs those of the default step without prefetch); a ``jax.checkpoint_policies`` policy
+keeps what it saves (``nothing_saveable``: the layer's input only) and backward recomputes
+the rest, as :func:`jzero.remat_layer` does. Two layers' gathered parameters are alive at a
+time instead of one (the estimator's ``prefetch=True`` term). Values are those of the plain
+scan: the same gathers, the same layer function, the same reductions.
 """
 
 from __future__ import annotations
