@@ -54,15 +54,15 @@ class StepOptions:
             neither a mesh axis nor an alias raises ``ValueError`` naming it. An axis the
             loss binds itself (``jax.vmap(..., axis_name='batch')``) needs no alias.
         remat_policy: what stage 3's default gathering (``manual_gather=False``) lets
-            backward keep of each layer -- a scan step over stacked layers, prefetched or
-            not (``Communication(prefetch=...)``), and the loss outside scans. None (default):
-            every activation, as FSDP does; backward gathers the parameters again and
-            recomputes nothing. A ``jax.checkpoint_policies`` policy keeps only what it saves
-            and recomputes the rest in backward, e.g.
-            ``jax.checkpoint_policies.nothing_saveable``: each layer's forward again from its
-            input (one more forward's FLOPs, less activation memory). A gathered parameter is
-            never kept, whatever the policy. Stage 3 without ``manual_gather`` only (with
-            ``manual_gather`` pass a policy to :func:`jzero.remat_layer`).
+            backward keep of each step of a scan over stacked layers, prefetched or not
+            (``Communication(prefetch=...)``). None (default): every activation, as FSDP
+            does; backward gathers the layer's parameters again and recomputes nothing. A
+            ``jax.checkpoint_policies`` policy keeps only what it saves and recomputes the
+            rest in backward, e.g. ``jax.checkpoint_policies.nothing_saveable``: each
+            layer's forward again from its input (more FLOPs, less activation memory). A
+            gathered parameter is never kept, whatever the policy. Outside such scans the
+            policy changes nothing. Stage 3 without ``manual_gather`` only (with
+            ``manual_gather``, give the policy to :func:`jzero.remat_layer`).
 
     Examples:
         >>> step = opt.train_step(loss_fn, jzero.StepOptions(has_aux=True, grad_accum=4))
