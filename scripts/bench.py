@@ -3,7 +3,7 @@
 Trains the model of ``examples/gpt.py`` under DP (stage 0), ZeRO stages 1-3 (jzero,
 ``manual_gather=True``), six more stage-3 runs (``zero3_bucket``: ``Communication(bucket=True)``,
 one flat collective per layer; ``zero3_auto``: ``manual_gather=False``, the step gathering per
-layer by itself; ``zero3_prefetch``: that with ``Communication(prefetch=True)``;
+layer by itself; ``zero3_prefetch``: that with ``Communication(prefetch=True)``, activations kept;
 ``zero3_int8``: ``Communication(gather_quant="int8")``, int8 all-gathers with fp32 block scales;
 ``zero3_qgz``: ``Communication(grad_quant="int8")``, gradient reduce-scatters as int8
 all-to-alls with fp32 block scales; ``zero3_offload``: ``offload="optimizer"``, optimizer

@@ -5,7 +5,10 @@ Checked on a loss written as for one device (a ``lax.scan`` / ``nn.scan`` over s
 layers): the lowered program's loop bodies issue the next layer's all-gathers and compute
 with the layer gathered one step earlier; every weight is still gathered 2 x layers
 times; the compiled peak holds at most one layer more than the same loop without
-prefetch (the estimator's prefetch term); values equal single-device Optax.
+prefetch (the estimator's prefetch term); values equal single-device Optax. Activations
+are kept by default (the dot FLOPs of the step without prefetch, no forward recomputed);
+``StepOptions(remat_policy=nothing_saveable)`` recomputes each layer's forward instead,
+with or without prefetch (more FLOPs, less temp memory).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import optax
 import pytest
 from _hlo_text import all_gathers
 from _models import reference, regression_batches
+from test_remat_policy import _dot_flops
 
 import jzero
 
 N, L, D, H, B, STEPS = 8, 6, 128, 512, 64, 3
 LAYER_BYTES = 4 * 2 * D * H  # one layer's gathered fp32 weights
 TX = lambda: optax.adam(1e-3, eps=1e-4)  # eps above the gradients' fp32 rounding noise
+RECOMPUTE = jzero.StepOptions(remat_policy=jax.checkpoint_policies.nothing_saveable)
+MATMUL = 2 * (B // N) * D * H  # FLOPs of one layer's x @ w1 (or its transpose) per device
 
 
 def mlp(p, x_BxD):
@@ -61,11 +67,15 @@ def batches(steps=STEPS):
 
 
 def _step(mode: str):
+    """``mode``: 'default', 'recompute' (its remat_policy=nothing_saveable), 'manual'
+    (remat_layer by hand), 'prefetch' (+ '_bucket', '_recompute')."""
     comm = jzero.Communication(prefetch=mode.startswith("prefetch"), bucket=mode.endswith("bucket"))
     opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=3, comm=comm)
     state = opt.init(params())
     if mode == "manual":
         return opt, state, opt.train_step(manual_loss, manual_gather=True)
+    if mode.endswith("recompute"):
+        return opt, state, opt.train_step(scan_loss, RECOMPUTE)
     return opt, state, opt.train_step(scan_loss)
 
 
@@ -100,9 +110,13 @@ def test_loop_bodies_gather_the_next_layer_and_compute_with_the_previous_gather(
     assert prefetching == 2  # the forward loop's step and the backward loop's
 
 
-@pytest.mark.parametrize("mode", ["prefetch", "prefetch_bucket"])
+def _temp(mode: str) -> int:
+    return compiled(mode).memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("mode", ["prefetch", "prefetch_bucket", "prefetch_recompute"])
 def test_every_weight_is_still_gathered_twice_per_layer(mode):
-    if mode == "prefetch":
+    if not mode.endswith("bucket"):
         for shape in [(D, H), (H, D)]:
             assert all_gathers(compiled(mode), shape) == 2 * L
     else:  # one flat all-gather per layer and pass
@@ -116,26 +130,65 @@ def test_peak_holds_at_most_one_layer_more():
     ).total_bytes  # fmt: skip
     term = est(True) - est(False)
     assert term == LAYER_BYTES
-    prefetch, manual = _peak("prefetch"), _peak("manual")
-    print(f"peak: prefetch {prefetch:,} B, per-layer full recompute {manual:,} B")
-    assert 0 < prefetch - manual <= term  # the same recompute, one layer gathered ahead
-    assert prefetch <= _peak("default") + term  # the default keeps activations instead
+    recompute, manual = _peak("prefetch_recompute"), _peak("manual")
+    print(f"peak: prefetch recomputing {recompute:,} B, per-layer full recompute {manual:,} B")
+    assert 0 < recompute - manual <= term  # the same recompute, one layer gathered ahead
+    assert _peak("prefetch") <= _peak("default") + term  # both keep the activations
 
 
-@pytest.mark.parametrize("mode", ["prefetch", "prefetch_bucket"])
-def test_prefetch_matches_single_device_optax_and_the_default_step(mode):
+def test_prefetch_keeping_activations_recomputes_no_forward():
+    """Dot FLOPs per device and step, loop trip counts included (``cost_analysis`` counts
+    a loop body once, and prefetch peels each loop's last layer off)."""
+    flops = {m: _dot_flops(compiled(m).as_text()) for m in ("default", "prefetch")}
+    for m in ("recompute", "prefetch_recompute"):
+        flops[m] = _dot_flops(compiled(m).as_text())
+    print(flops)
+    assert flops["default"] == 3 * L * 2 * MATMUL  # forward, and backward's two per matmul
+    # Prefetch's peeled first layer needs no input gradient (the batch is not
+    # differentiated) and XLA drops that one matmul; nothing else differs.
+    assert flops["prefetch"] == flops["default"] - MATMUL
+    # Recomputing: each layer's x @ w1 again (tanh's derivative needs it; the second
+    # matmul's output is not needed in backward), with or without prefetch.
+    assert flops["prefetch_recompute"] == flops["prefetch"] + L * MATMUL
+    assert flops["recompute"] == flops["default"] + L * MATMUL
+
+
+def test_keeping_activations_takes_more_temp_memory_than_recomputing():
+    temp = {m: _temp(m) for m in ("default", "recompute", "prefetch", "prefetch_recompute")}
+    print(temp)
+    # kept: each layer's x @ w1 and tanh of it, [B/N, H] fp32 (more with XLA's copies)
+    kept = L * 2 * (B // N) * H * 4
+    assert temp["prefetch"] - temp["prefetch_recompute"] >= kept
+    assert temp["default"] - temp["recompute"] >= kept
+
+
+@pytest.mark.parametrize("mode", ["prefetch", "prefetch_bucket", "prefetch_recompute", "recompute"])
+def test_prefetch_matches_single_device_optax(mode):
     ref = reference(TX(), params(), scan_loss, batches())
-    finals = {}
-    for m in (mode, "default"):
-        opt, state, step = _step(m)
-        losses = []
-        for batch in batches():
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
-        finals[m] = jax.tree.leaves(opt.full_params(state))
-        for a, b in zip(finals[m], jax.tree.leaves(ref.params)):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    opt, state, step = _step(mode)
+    losses = []
+    for batch in batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "stage, options, fix",
+    [
+        (2, RECOMPUTE, "use stage=3"),
+        (3, jzero.StepOptions(manual_gather=True, remat_policy=RECOMPUTE.remat_policy),
+         "jzero.remat_layer"),
+    ],
+)  # fmt: skip
+def test_a_remat_policy_with_nothing_to_act_on_is_refused(stage, options, fix):
+    opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=stage)
+    with pytest.raises(ValueError, match=fix):
+        opt.train_step(scan_loss, options)
+    with pytest.raises(TypeError, match="nothing_saveable"):
+        jzero.StepOptions(remat_policy="nothing_saveable")
 
 
 class Block(nn.Module):

@@ -178,7 +178,7 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, comm: Commun
         if options.manual_gather:
             run = call_loss
         elif plan.partitions_params:  # gather each parameter where it is used
-            run = gather_where_used(call_loss, prefetch=comm.prefetch)
+            run = gather_where_used(call_loss, prefetch=comm.prefetch, policy=options.remat_policy)
         else:  # leaf by leaf: stage 2 reduce-scatters each where backward completes it
             run = lambda p, *rest: call_loss(gather_each(p), *rest)
         loss, model_state, aux = run(p, model_state, micro_batch)
@@ -187,11 +187,13 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, comm: Commun
         loss = loss.astype(jnp.float32)
         return loss * scale, (loss, model_state, aux)
 
-    if plan.partitions_params and not options.manual_gather:
+    if plan.partitions_params and not options.manual_gather and options.remat_policy is None:
         # Keep every activation but no gathered parameter, so backward gathers again
         # (per layer inside scans). With manual_gather the user's per-layer remat
         # (jax.checkpoint / nn.remat around the layer that calls jzero.gather)
-        # re-gathers instead; an outer policy here would override it.
+        # re-gathers instead, and with remat_policy each scan step's checkpoint does:
+        # an outer policy here would override theirs (measured: nothing_saveable inside
+        # it recomputed nothing; as the outer policy, the whole forward again).
         return jax.checkpoint(local_loss, policy=saves_no_gathered(_KEEP))
     return local_loss
 

@@ -9,7 +9,8 @@ field here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,16 @@ class StepOptions:
             statistics are those of the global batch. A collective over an axis that is
             neither a mesh axis nor an alias raises ``ValueError`` naming it. An axis the
             loss binds itself (``jax.vmap(..., axis_name='batch')``) needs no alias.
+        remat_policy: what stage 3's default gathering (``manual_gather=False``) lets
+            backward keep of each step of a scan over stacked layers, prefetched or not
+            (``Communication(prefetch=...)``). None (default): every activation, as FSDP
+            does; backward gathers the layer's parameters again and recomputes nothing. A
+            ``jax.checkpoint_policies`` policy keeps only what it saves and recomputes the
+            rest in backward, e.g. ``jax.checkpoint_policies.nothing_saveable``: each
+            layer's forward again from its input (more FLOPs, less activation memory). A
+            gathered parameter is never kept, whatever the policy. Outside such scans the
+            policy changes nothing. Stage 3 without ``manual_gather`` only (with
+            ``manual_gather``, give the policy to :func:`jzero.remat_layer`).
 
     Examples:
         >>> step = opt.train_step(loss_fn, jzero.StepOptions(has_aux=True, grad_accum=4))
@@ -65,6 +76,7 @@ class StepOptions:
     donate: bool = True
     per_device_rng: bool = True
     axis_name: str | tuple[str, ...] | None = None
+    remat_policy: Callable[..., Any] | None = None
 
     def __post_init__(self):
         accum = self.grad_accum
@@ -75,8 +87,31 @@ class StepOptions:
                 raise TypeError(
                     f"StepOptions.{name} must be True or False, got {getattr(self, name)!r}."
                 )
+        if self.remat_policy is not None and not callable(self.remat_policy):
+            raise TypeError(
+                f"StepOptions.remat_policy must be None (keep every activation) or a "
+                f"jax.checkpoint_policies policy, got {self.remat_policy!r}; e.g. "
+                "remat_policy=jax.checkpoint_policies.nothing_saveable."
+            )
         if isinstance(self.axis_name, list):  # hashable, as a frozen option must be
             object.__setattr__(self, "axis_name", tuple(self.axis_name))
+
+    def check_stage(self, stage: int) -> None:
+        """Raises where an option has nothing to act on at ``stage`` (when the step is built)."""
+        if self.remat_policy is None:
+            return
+        if stage != 3 or self.manual_gather:
+            where = f"stage {stage}" if stage != 3 else "manual_gather=True"
+            fix = (
+                "use stage=3"
+                if stage != 3
+                else "pass the policy to jzero.remat_layer(fn, policy=...)"
+            )
+            raise ValueError(
+                f"StepOptions(remat_policy={self.remat_policy!r}) chooses what stage 3's default "
+                f"gathering keeps for backward, but {where} has none; {fix}, or leave "
+                "remat_policy=None."
+            )
 
 
 _MOVED = {"bucket", "prefetch"}

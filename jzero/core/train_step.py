@@ -114,6 +114,7 @@ def make_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    options.check_stage(stage)
     aliases = check_aliases(options.axis_name, mesh.axis_names)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:

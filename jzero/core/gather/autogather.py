@@ -43,10 +43,15 @@ from .deferred import Deferred, Derived, is_lazy, use
 from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
 
+_KEEP = jax.checkpoint_policies.everything_saveable
 
-def gather_where_used(fn: Callable[..., Any], *, prefetch: bool = False) -> Callable[..., Any]:
+
+def gather_where_used(
+    fn: Callable[..., Any], *, prefetch: bool = False, policy: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """``fn(params, *args)`` for ``params`` holding :class:`Sharded` handles, each gathered
-    where ``fn`` uses it (per layer inside scans over stacked parameters).
+    where ``fn`` uses it (per layer inside scans over stacked parameters). ``policy``: what
+    backward keeps of each scan step (:attr:`jzero.StepOptions.remat_policy`).
 
     Equal to ``fn(jzero.gather(params), *args)`` in value and gradient.
     """
@@ -56,7 +61,7 @@ def gather_where_used(fn: Callable[..., Any], *, prefetch: bool = False) -> Call
             params, *args
         )
         shared = _used_more_than_once(traced, params, args)
-        rules = _Gathering(_handles(params), prefetch=prefetch, shared=shared)
+        rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
         out = run(traced, jax.tree.leaves((params, args)), rules)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
@@ -100,17 +105,19 @@ class _Gathering(Rules):
         handles: Sequence[Sharded] = (),
         *,
         prefetch: bool = False,
+        policy: Callable[..., Any] | None = None,
         shared: frozenset[int] | None = None,
         counting: bool = False,
     ):
         self.handles = {id(h.sink): h for h in handles}
         self.prefetch, self.shared, self.counting = prefetch, shared, counting
+        self.policy = policy
         self.uses: collections.Counter[int] = collections.Counter()
         self._keys = itertools.count()
 
     def nested(self) -> _Gathering:
         """The rules for a loop body: the same options, nothing gathered per use."""
-        return _Gathering(prefetch=self.prefetch)
+        return _Gathering(prefetch=self.prefetch, policy=self.policy)
 
     def read(self, x: Any, atom: Any = None) -> Any:
         del atom
@@ -191,7 +198,7 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
 
         carry, ys = prefetched_scan(
             layer, [*body_consts, *consts], init, handles, others,
-            length=scan.length, reverse=scan.reverse,
+            length=scan.length, reverse=scan.reverse, policy=rules.policy,
         )  # fmt: skip
         return [*carry, *ys]
 
@@ -204,11 +211,9 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
         return outs[:n_carry], outs[n_carry:]
 
     # Rematerialised per step: backward gathers each layer again inside its own loop
-    # step (and keeps the step's activations), instead of a recomputing forward loop
-    # stacking every layer's gathered parameters for the backward loop.
-    step = jax.checkpoint(
-        step, policy=saves_no_gathered(jax.checkpoint_policies.everything_saveable)
-    )
+    # step (and keeps the step's activations, or what rules.policy saves), instead of a
+    # recomputing forward loop stacking every layer's gathered parameters for backward.
+    step = jax.checkpoint(step, policy=saves_no_gathered(rules.policy or _KEEP))
     carry, ys = jax.lax.scan(
         step, init, scanned, length=scan.length, reverse=scan.reverse, unroll=scan.unroll
     )

@@ -5,15 +5,21 @@
 
 - forward: layer i+1's all-gather is issued in the loop step that computes layer i (the
   gathered layer rides in the loop carry), so on GPU the latency-hiding scheduler can
-  overlap it with layer i's compute; each layer's input is kept;
-- backward, in reverse: layer i-1's all-gather is issued in the step that recomputes layer
-  i's forward from its kept input and takes its VJP; the weight cotangent is
-  reduce-scattered (cast to the reduce dtype) in that step.
+  overlap it with layer i's compute; each step takes its layer's VJP (``jax.vjp``) and
+  stores its residuals, less those that are the layer's own arguments (the gathered
+  parameters, the loop constants, its slice of ``xs``);
+- backward, in reverse: layer i-1's all-gather is issued in the step that runs layer i's
+  VJP from its stored residuals, with layer i's parameters (gathered one step earlier) put
+  back in their place; the weight cotangent is reduce-scattered (cast to the reduce dtype)
+  in that step.
 
-So two layers' gathered parameters are alive at a time instead of one (the estimator's
-``prefetch=True`` term), and backward recomputes each layer's forward, as
-:func:`jzero.remat_layer` with ``policy=None`` does. Values are those of the plain scan:
-the same gathers, the same layer function, the same reductions.
+What the residuals hold is ``policy``'s choice (:attr:`jzero.StepOptions.remat_policy`):
+None keeps every activation, as FSDP does, and backward recomputes nothing (compiled dot
+FLOPs those of the default step without prefetch); a ``jax.checkpoint_policies`` policy
+keeps what it saves (``nothing_saveable``: the layer's input only) and backward recomputes
+the rest, as :func:`jzero.remat_layer` does. Two layers' gathered parameters are alive at a
+time instead of one (the estimator's ``prefetch=True`` term). Values are those of the plain
+scan: the same gathers, the same layer function, the same reductions.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from ..comm.collectives import (
     all_gather,
     on_device,
     reduce_scatter,
+    saves_no_gathered,
     scatter_flat,
 )
 from ..comm.quantize import quantized_all_gather
@@ -42,7 +49,7 @@ Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
 
 def prefetched_scan(
     step: Step, consts: Any, init: Any, handles: list[Sharded], xs: Any, *, length: int,
-    reverse: bool,
+    reverse: bool, policy: Callable | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """``lax.scan`` of ``step`` over ``length`` layers, each layer's slice of ``handles``
     (stacked along their leading axis) gathered one step ahead, forward and backward.
@@ -57,7 +64,7 @@ def prefetched_scan(
     grad_quant = next((h.grad_quant for h in handles), None)
     dtypes = tuple(h.sink.dtype for h in handles)  # each gradient's reduce dtype
     return _layers(
-        step, layouts, (bucket, quant, grad_quant), dtypes, length, reverse, consts, init,
+        step, layouts, (bucket, quant, grad_quant), dtypes, length, reverse, policy, consts, init,
         [h.sink for h in handles], [h.value for h in handles], xs,
     )  # fmt: skip
 
@@ -131,29 +138,77 @@ def _loop(length: int, reverse: bool, fetch: Callable, run: Callable, carry: Any
     return carry, _stack_last(looped, last, flip=reverse)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _layers(step, layouts, how, dtypes, length, reverse, consts, init, sinks, values, xs):
+def _differentiable(step: Step, policy: Callable | None) -> Step:
+    """``step`` as forward differentiates it: as written (``policy=None``: its VJP keeps
+    every activation), or checkpointed with ``policy`` (never a gathered parameter)."""
+    if policy is None:
+        return step
+    return jax.checkpoint(step, policy=saves_no_gathered(policy))
+
+
+@jax.tree_util.register_static
+class _Residuals:
+    """Where a layer VJP's residuals come from, recorded while forward traces it.
+
+    A residual that *is* one of the layer's arguments (``consts``, the gathered parameters,
+    its slice of ``xs``) is not stored: backward puts the argument back in its place (the
+    parameters gathered again, one layer ahead). Every other residual (the activations the
+    policy keeps, the layer's input) is stacked over layers by the forward loop.
+    """
+
+    def __init__(self):
+        self.treedef = None
+        self.sources: tuple = ()  # per VJP leaf: (argument index, leaf index) or None
+
+    def split(self, vjp: Any, args: tuple) -> list:
+        """The residuals to store; records where the others come from."""
+        leaves, self.treedef = jax.tree.flatten(vjp)
+        args = [jax.tree.leaves(a) for a in args]
+        self.sources = tuple(_source(leaf, args) for leaf in leaves)
+        return [leaf for leaf, src in zip(leaves, self.sources) if src is None]
+
+    def join(self, stored: list, args: tuple) -> Any:
+        """The layer's VJP from its stored residuals and ``args`` (as given to ``split``)."""
+        args, stored = [jax.tree.leaves(a) for a in args], iter(stored)
+        leaves = [next(stored) if s is None else args[s[0]][s[1]] for s in self.sources]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _source(leaf: Any, args: list[list]) -> tuple[int, int] | None:
+    for a, arg in enumerate(args):
+        for j, x in enumerate(arg):
+            if leaf is x:
+                return a, j
+    return None
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _layers(step, layouts, how, dtypes, length, reverse, policy, consts, init, sinks, values, xs):
     args = (consts, init, sinks, values, xs)
-    return _layers_fwd(step, layouts, how, dtypes, length, reverse, *args)[0]
+    return _layers_fwd(step, layouts, how, dtypes, length, reverse, policy, *args)[0]
 
 
-def _layers_fwd(step, layouts, how, dtypes, length, reverse, consts, init, sinks, values, xs):
+def _layers_fwd(
+    step, layouts, how, dtypes, length, reverse, policy, consts, init, sinks, values, xs
+):  # fmt: skip
+    layer, residuals = _differentiable(step, policy), _Residuals()
+
     def run(carry, params, i):
-        new, y = step(consts, carry, params, _at(xs, i))
-        return new, (y, carry)  # keep the layer's input for backward
+        (new, y), vjp = jax.vjp(layer, consts, carry, params, _at(xs, i))
+        return new, (y, residuals.split(vjp, (consts, params, _at(xs, i))))
 
     fetch = partial(_gather, values, layouts, how)
-    carry, (ys, inputs) = _loop(length, reverse, fetch, run, init)
-    return (carry, ys), (consts, inputs, values, xs)
+    carry, (ys, stored) = _loop(length, reverse, fetch, run, init)
+    return (carry, ys), (consts, stored, values, xs, residuals)
 
 
-def _layers_bwd(step, layouts, how, dtypes, length, reverse, res, cts):
-    consts, inputs, values, xs = res
+def _layers_bwd(step, layouts, how, dtypes, length, reverse, policy, res, cts):
+    consts, stored, values, xs, residuals = res
     ct_carry, ct_ys = cts
 
     def run(state, params, i):
         ct_c, ct_consts = state
-        _, vjp = jax.vjp(step, consts, _at(inputs, i), params, _at(xs, i))
+        vjp = residuals.join(_at(stored, i), (consts, params, _at(xs, i)))
         d_consts, d_carry, d_params, d_x = vjp((ct_c, _at(ct_ys, i)))
         ct_consts = jax.tree.map(jnp.add, ct_consts, d_consts)
         return (d_carry, ct_consts), (_scatter(d_params, layouts, how, dtypes), d_x)
