@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "benchmarks" / "gpu_check.json"
+DRY_JSON = Path(tempfile.gettempdir()) / "gpu_check_dry.json"
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 
 
@@ -108,12 +109,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the code paths")
     ap.add_argument("--only", help="pieces or piece:part, comma-separated (default: all)")
-    ap.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where results merge")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        help=f"where results merge (default {DEFAULT_JSON.relative_to(ROOT)}; --dry-run: "
+        f"{DRY_JSON.name} in the temporary directory)",
+    )
     ap.add_argument("--part-seconds", type=float, default=570.0, help="time limit of a part")
     ap.add_argument("--piece", help=argparse.SUPPRESS)  # internal: run one part here
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--gpus", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.json = args.json or (DRY_JSON if args.dry_run else DEFAULT_JSON)
     try:
         args.units = _units(args.only)
     except ValueError as e:
@@ -254,12 +261,22 @@ def summarize(doc: dict) -> dict[str, int]:
 
 
 def _load(path: Path, *, dry_run: bool) -> dict:
-    """The JSON so far (another kind of run, dry or not, is started afresh)."""
-    if path.exists():
-        doc = json.loads(path.read_text())
-        if doc.get("dry_run") == dry_run and isinstance(doc.get("pieces"), dict):
-            return doc
-    return {"dry_run": dry_run, "pieces": {}}
+    """The JSON so far; a dry run's is replaced by a GPU run's, never the reverse.
+
+    Raises:
+        ValueError: a dry run would overwrite GPU results.
+    """
+    if not path.exists():
+        return {"dry_run": dry_run, "pieces": {}}
+    doc = json.loads(path.read_text())
+    if doc.get("dry_run") is False and dry_run:
+        raise ValueError(
+            f"{path} holds GPU results; a --dry-run does not overwrite them: give it another "
+            "--json PATH (its default is in the temporary directory)."
+        )
+    if doc.get("dry_run") != dry_run or not isinstance(doc.get("pieces"), dict):
+        return {"dry_run": dry_run, "pieces": {}}
+    return doc
 
 
 def report_lines(doc: dict) -> list[str]:
@@ -296,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    doc = _load(args.json, dry_run=args.dry_run)
+    try:
+        doc = _load(args.json, dry_run=args.dry_run)
+    except ValueError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
     doc["machine"] = machine
     failed = False
     for piece_name, part in args.units:
