@@ -80,8 +80,8 @@ def _args(s: dict[str, Any]) -> argparse.Namespace:
 def budgets(ctx: Context, s: dict[str, Any]) -> dict[str, int]:
     """Device and host budgets in bytes, and the pinned-host limit the target uses."""
     if ctx.dry_run:
-        host = parse_bytes(s["host_budget"])
-        return {"device": parse_bytes(s["device_budget"]), "host": host, "host_limit": host}
+        host = int(parse_bytes(s["host_budget"]))
+        return {"device": int(parse_bytes(s["device_budget"])), "host": host, "host_limit": host}
     limit = jax.devices()[0].memory_stats()["bytes_limit"]
     gib = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", PINNED_DEFAULT_GIB))
     pinned = int(gib * 2**30)
@@ -137,7 +137,7 @@ def search(args, entry: max_model.Entry, *, batch: int, budget: dict[str, int]):
         "peak_bytes": c.peak,
         "host_bytes": host,
         "binds": "host" if host * scale >= c.peak else "device",
-        "next_layers_fit_value": seen.get(layers + 1),
+        "next_layers_fit_bytes": seen.get(layers + 1),  # max(peak, scaled host): > budget
         "params_per_layer": per_layer,
         "compiles": len(seen),
     }
