@@ -1,10 +1,16 @@
 """The GPU truth in one command: every jzero claim that needs a GPU, measured, with its
 targets marked PASS / FAIL in one JSON.
 
-    bash scripts/gpu_check.sh                      # every piece (GPU; ~30-40 min in all)
+    bash scripts/gpu_check.sh                      # every piece in turn (GPU; tens of minutes)
     bash scripts/gpu_check.sh --only n1            # one piece (each under 10 minutes)
     bash scripts/gpu_check.sh --only offload:none,offload:streamed   # parts of a piece
     bash scripts/gpu_check.sh --dry-run            # CPU, tiny sizes: the code paths (CI)
+
+On a machine lent 10 minutes a command, one piece or part per command (each merges into
+the JSON, so the order is free but for offload's ``none`` before its host-step modes):
+``--only n1``; ``--only offload:none``; ``--only offload:streamed``; ``--only
+offload:host_step``; ``--only offload:host_step_params``; ``--only prefetch``; ``--only
+quant``; ``--only mock8:overlap``; then ``--only mock8:dp`` ... ``--only mock8:zero3``.
 
 Pieces (``--only``; a piece with parts runs each part in its own process, and
 ``piece:part`` picks parts):
@@ -58,6 +64,7 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "benchmarks" / "gpu_check.json"
 DRY_JSON = Path(tempfile.gettempdir()) / "gpu_check_dry.json"
+PART = ROOT / "scripts" / "gpu_part.py"  # runs one part in its own process
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 
 
@@ -96,7 +103,7 @@ def _units(only: str | None) -> list[tuple[str, str | None]]:
     for item in only.split(","):
         piece, _, part = item.strip().partition(":")
         if piece not in PIECES or (part and part not in PIECES[piece].parts):
-            names = [p if part is None else f"{p}:{part}" for p, part in every]
+            names = [p if q is None else f"{p}:{q}" for p, q in every]
             raise ValueError(f"--only: unknown {item!r}; choose pieces {list(PIECES)} or {names}")
         wanted |= {(p, q) for p, q in every if p == piece and (not part or q == part)}
     return [u for u in every if u in wanted]
@@ -104,7 +111,7 @@ def _units(only: str | None) -> list[tuple[str, str | None]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 2)[2],
+        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the code paths")
@@ -116,9 +123,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{DRY_JSON.name} in the temporary directory)",
     )
     ap.add_argument("--part-seconds", type=float, default=570.0, help="time limit of a part")
-    ap.add_argument("--piece", help=argparse.SUPPRESS)  # internal: run one part here
-    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--gpus", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.json = args.json or (DRY_JSON if args.dry_run else DEFAULT_JSON)
     try:
@@ -128,55 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# ------------------------------------------------------------------ in a part's process
-def _configure_jax(piece: Piece, *, dry_run: bool, gpus: int) -> None:
-    """Before JAX starts: CPU under --dry-run, the CPU device count, the GPU mock."""
-    import jax
-
-    if dry_run:
-        jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", piece.cpu_devices)
-    if piece.mock_gpus and gpus and gpus < 8:
-        jax.config.update("mock_num_gpu_processes", 8 // gpus)
-
-
-def _call(spec: str, *args: Any) -> Any:
+def call(spec: str, *args: Any) -> Any:
+    """Calls ``"module:function"`` (a module under scripts/) with ``args``."""
     module, _, function = spec.partition(":")
     return getattr(importlib.import_module(module), function)(*args)
-
-
-def run_part(args: argparse.Namespace) -> None:
-    """``--piece NAME[:PART]``: runs it here and writes its result to ``--out``."""
-    name, _, part = args.piece.partition(":")
-    piece = PIECES[name]
-    _configure_jax(piece, dry_run=args.dry_run, gpus=args.gpus)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench  # noqa: F401  (puts examples/ on sys.path for the piece modules)
-    import gpu_common
-
-    ctx = gpu_common.Context(dry_run=args.dry_run, gpu=args.gpus > 0 and not args.dry_run)
-    start = time.perf_counter()
-    if piece.parts:
-        earlier = json.loads(args.out.read_text()) if args.out.exists() else {}
-        result = _call(piece.function, ctx, part, earlier)
-    else:
-        result = _call(piece.function, ctx)
-    result["seconds"] = time.perf_counter() - start
-    result["machine"] = gpu_common.machine()
-    args.out.write_text(json.dumps(result, indent=2, default=float) + "\n")
-
-
-def probe(args: argparse.Namespace) -> None:
-    """``--piece machine``: the machine's description to ``--out`` (GPU memory not held)."""
-    import jax
-
-    if args.dry_run:
-        jax.config.update("jax_platforms", "cpu")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench  # noqa: F401
-    import gpu_common
-
-    args.out.write_text(json.dumps(gpu_common.machine(), indent=2) + "\n")
 
 
 # ------------------------------------------------------------------ the driver
@@ -192,7 +151,7 @@ def _env(piece: Piece, machine: dict[str, Any]) -> dict[str, str]:
 
 def _process(args, unit: str, out: Path, *, env: dict[str, str], gpus: int) -> str | None:
     """Runs ``--piece unit`` in a fresh process; None, or why it failed."""
-    cmd = [sys.executable, __file__, "--piece", unit, "--out", str(out), "--gpus", str(gpus)]
+    cmd = [sys.executable, str(PART), unit, str(out), "--gpus", str(gpus)]
     cmd += ["--dry-run"] if args.dry_run else []
     try:
         done = subprocess.run(
@@ -237,7 +196,7 @@ def _merge(doc: dict, piece_name: str, part: str | None, result: dict) -> None:
     entry = doc["pieces"].setdefault(piece_name, {"parts": {}})
     entry["parts"][part] = result
     try:
-        entry["targets"] = _call(piece.summary, entry["parts"])
+        entry["targets"] = call(piece.summary, entry["parts"])
     except Exception:  # a summary that breaks is a result to read, not a lost run
         entry["targets"] = []
         entry["error"] = traceback.format_exc(limit=3)
@@ -280,13 +239,15 @@ def _load(path: Path, *, dry_run: bool) -> dict:
 
 
 def report_lines(doc: dict) -> list[str]:
+    """One line per target (its status first), per error and per skipped part."""
     lines = []
     for name, entry in doc["pieces"].items():
-        for result in [entry, *entry.get("parts", {}).values()]:
+        named = [(name, entry), *((f"{name}:{p}", r) for p, r in entry.get("parts", {}).items())]
+        for unit, result in named:
             if result.get("error"):
-                lines.append(f"ERROR {name}: {result['error'].splitlines()[-1]}")
+                lines.append(f"ERROR {unit}: {result['error'].strip().splitlines()[-1]}")
             if result.get("skipped"):
-                lines.append(f"SKIP {name}: {result['skipped']}")
+                lines.append(f"SKIP {unit}: {result['skipped']}")
             for t in result.get("targets", []):
                 lines.append(f"{t['status']} {t.get('text') or t['name'] + ': ' + t['reason']}")
     return lines
@@ -294,16 +255,15 @@ def report_lines(doc: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.piece == "machine":
-        probe(args)
-        return 0
-    if args.piece:
-        run_part(args)
-        return 0
+    try:
+        doc = _load(args.json, dry_run=args.dry_run)
+    except ValueError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         out = Path(tmp) / "machine.json"
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        cmd = [sys.executable, __file__, "--piece", "machine", "--out", str(out)]
+        cmd = [sys.executable, str(PART), "machine", str(out)]
         subprocess.run(cmd + (["--dry-run"] if args.dry_run else []), env=env, check=True)
         machine = json.loads(out.read_text())
     if machine["platform"] != "gpu" and not args.dry_run:
@@ -312,11 +272,6 @@ def main(argv: list[str] | None = None) -> int:
             "figures need one. Run with --dry-run for the code paths on CPU at tiny sizes.",
             file=sys.stderr,
         )
-        return 2
-    try:
-        doc = _load(args.json, dry_run=args.dry_run)
-    except ValueError as e:
-        print(f"gpu_check: {e}", file=sys.stderr)
         return 2
     doc["machine"] = machine
     failed = False

@@ -1,8 +1,8 @@
 """What the pieces of ``scripts/gpu_check.py`` share: targets, the piece's clock, the
 machine's description, and random-token batches for ``examples/gpt.py``'s GPT family.
 
-Imported after ``scripts/bench.py`` (which puts ``examples/`` and ``scripts/`` on
-``sys.path``), in the process that runs one piece.
+Imported in the process that runs one part (``scripts/gpu_part.py``), with ``examples/``
+and ``scripts/`` on ``sys.path``.
 """
 
 from __future__ import annotations

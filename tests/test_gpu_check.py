@@ -7,6 +7,7 @@ targets across parts (offload, mock8) are computed exactly from recorded figures
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     path = tmp_path_factory.mktemp("gpu_check") / "out.json"
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--json", str(path)],
-        capture_output=True, text=True, timeout=1500,
+        capture_output=True, text=True, timeout=1500, env=os.environ | {"PYTHON": sys.executable},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return done, json.loads(path.read_text())
