@@ -127,19 +127,8 @@ def prefetch(ctx: Context) -> dict[str, Any]:
 def _quant_run(dtype: str) -> bench.Run:
     """bench's ``zero3_int8`` with gathers in ``dtype`` (``'int8'`` or ``'fp8'``)."""
     base = RUNS["zero3_int8"]
-    swap = lambda v: dataclasses.replace(v, gather_quant=dtype) if _quantizes(v) else v
-    options = {key: swap(value) for key, value in base.opt_options.items()}
-    return base._replace(name=f"zero3_{dtype}", opt_options=options)
-
-
-def _quantizes(option: Any) -> bool:
-    """An option object that carries ``gather_quant`` (``Precision`` or ``Communication``,
-    whichever this build has)."""
-    return dataclasses.is_dataclass(option) and hasattr(option, "gather_quant")
-
-
-def _quant_block(run: bench.Run) -> int:
-    return next(v.quant_block for v in run.opt_options.values() if _quantizes(v))
+    comm = dataclasses.replace(base.opt_options["comm"], gather_quant=dtype)
+    return base._replace(name=f"zero3_{dtype}", opt_options=base.opt_options | {"comm": comm})
 
 
 def roundtrip_error(params: Any, *, dtype: str, block: int) -> float:
@@ -177,7 +166,7 @@ def quant(ctx: Context) -> dict[str, Any]:
     for dtype in ("int8", "fp8"):
         run = _quant_run(dtype)
         fields = _trained(run, mesh, setup, s["warmup"])
-        err = roundtrip_error(params, dtype=dtype, block=_quant_block(run))
+        err = roundtrip_error(params, dtype=dtype, block=run.opt_options["comm"].quant_block)
         diff = abs(fields["loss_first"] - exact["loss_first"]) / abs(exact["loss_first"])
         figures[dtype] = {
             "roundtrip_error_over_bound": err,

@@ -73,11 +73,12 @@ def test_cpu_stage3_step_gathers_synchronously_and_every_gather_is_read():
         h, _ = jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), batch["x"], p["w"])
         return jnp.mean(h**2)
 
-    opt = jzero.ZeroOptimizer(optax.adam(1e-3), jzero.data_mesh(), stage=3)
+    comm = jzero.Communication(prefetch=True)
+    opt = jzero.ZeroOptimizer(optax.adam(1e-3), jzero.data_mesh(), stage=3, comm=comm)
     params = {"w": jnp.ones((3, 16, 16)) / 16}
     state = opt.init(params)
     batch = {"x": jnp.ones((8, 16))}
-    text = opt.train_step(loss, prefetch=True).lower(state, batch).compile().as_text()
+    text = opt.train_step(loss).lower(state, batch).compile().as_text()
     found = collective_overlap(text)
     gathers = [c for c in collectives(text) if c.kind == "all-gather"]
     summary = overlap_summary(found)
