@@ -14,7 +14,9 @@ update on the host CPU); ``host_step_params`` (``jzero.Offload(optimizer="host",
 params=True)``: stage-3 parameters at rest in pinned host too). A mode this build lacks is
 recorded as skipped.
 
-Targets (:func:`targets`), for each host-step mode: its model reaches at least
+Targets (:func:`targets`): ``host_step_params`` rests more host bytes per parameter than
+``host_step`` (its parameters are on the host), and for each host-step mode: its model
+reaches at least
 :data:`HOST_SHARE` of the size host memory allows (its host bytes per parameter times its
 parameters against the pinned-host limit: on the lent H200, 139 GiB of GPU memory against
 128 GiB of host memory, host memory binds, so "N x larger" is the wrong yardstick), and
@@ -203,6 +205,19 @@ def _not_checked(name: str, part: dict[str, Any] | None) -> str:
     return f"skipped: offload:{name} failed (its error is in its part)"
 
 
+def _params_on_host(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``params=True`` rests more host bytes per parameter than the host step alone (its
+    parameter shards): a mode that builds but leaves the parameters on the device fails."""
+    name = "offload host_step_params params on host"
+    a, b = parts.get("host_step") or {}, parts.get("host_step_params") or {}
+    if "search" not in a or "search" not in b:
+        return skip(name, "skipped: needs offload:host_step and offload:host_step_params")
+    per_param = lambda p: p["search"]["host_bytes"] / p["search"]["params"]
+    extra = per_param(b) - per_param(a)
+    text = f"host_step_params host bytes per parameter - host_step's {extra:.2f} > 0"
+    return target(name, extra > 0, text, measured=extra, bound=0.0)
+
+
 def targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The host-step modes' targets, from the parts recorded so far."""
     found = []
@@ -217,4 +232,4 @@ def targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             found += [skip(f"offload {name} size", why), skip(f"offload {name} time", why)]
         else:
             found += _host_targets(name, part, none)
-    return found
+    return found + [_params_on_host(parts)]

@@ -138,6 +138,7 @@ def test_offload_targets_measure_against_the_pinned_host_limit_and_none_s_time()
     size, time = found["offload host_step size"], found["offload host_step time"]
     assert (size["status"], size["measured"]) == ("PASS", pytest.approx(0.96))
     assert (time["status"], time["measured"]) == ("PASS", 1.5)
+    assert found["offload host_step_params params on host"]["reason"].startswith("skipped: ")
     missing = found["offload host_step_params size"]
     assert missing == {"name": missing["name"], "status": "SKIP", "reason": parts[
         "host_step_params"]["skipped"]}  # fmt: skip
@@ -145,6 +146,10 @@ def test_offload_targets_measure_against_the_pinned_host_limit_and_none_s_time()
     found = {t["name"]: t for t in gpu_offload.targets(parts)}
     assert found["offload host_step size"]["status"] == "FAIL"  # 0.72 of the allowed size
     assert found["offload host_step time"]["status"] == "FAIL"  # 2.5 x none's
+    parts["host_step_params"] = _mode(6 * 10**9, 96 * 10**9, 3.0)  # 16 vs 12 bytes/param
+    found = {t["name"]: t for t in gpu_offload.targets(parts)}
+    on_host = found["offload host_step_params params on host"]
+    assert (on_host["status"], on_host["measured"]) == ("PASS", 4.0)
     del parts["none"], parts["host_step"]["train_at_none_size"]
     found = {t["name"]: t for t in gpu_offload.targets(parts)}
     assert found["offload host_step time"]["reason"].startswith("skipped: needs offload:none")
