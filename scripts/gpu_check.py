@@ -1,0 +1,297 @@
+"""The GPU truth in one command: every jzero claim that needs a GPU, measured, with its
+targets marked PASS / FAIL in one JSON.
+
+    bash scripts/gpu_check.sh                      # every piece in turn (GPU; tens of minutes)
+    bash scripts/gpu_check.sh --only n1            # one piece (each under 10 minutes)
+    bash scripts/gpu_check.sh --only offload:none,offload:streamed   # parts of a piece
+    bash scripts/gpu_check.sh --dry-run            # CPU, tiny sizes: the code paths (CI)
+
+On a machine lent 10 minutes a command, one piece or part per command (each merges into
+the JSON, so the order is free but for offload's ``none`` before its host-step modes):
+``--only n1``; ``--only offload:none``; ``--only offload:streamed``; ``--only
+offload:host_step``; ``--only offload:host_step_params``; ``--only prefetch``; ``--only
+quant``; ``--only mock8:overlap``; then ``--only mock8:dp`` ... ``--only mock8:zero3``.
+
+Pieces (``--only``; a piece with parts runs each part in its own process, and
+``piece:part`` picks parts):
+
+- ``n1``: one device, the GPT computing in bf16: step time of stages 0-3 against plain
+  ``jax.jit`` + Optax (target <= 1.02 x each; ``scripts/gpu_pieces.py``).
+- ``offload`` (parts ``none``, ``streamed``, ``host_step``, ``host_step_params``): per
+  mode, the largest GPT of the family whose step runs and its ms per token; targets: the
+  host-step model reaches >= 0.9 x the size the pinned-host limit allows, and at none's
+  size its ms per token <= 2 x none's (``scripts/gpu_offload.py``). Run ``none`` first.
+- ``prefetch``: stage 3 with and without prefetch under
+  ``--xla_gpu_enable_latency_hiding_scheduler=true``: step times, and the same loss.
+- ``quant``: int8 and fp8 parameter gathers: the quantizer's error against its bound,
+  the loss against exact gathers, the step time.
+- ``mock8`` (parts ``overlap``, ``dp``, ``zero1``, ``zero2``, ``zero3``): N = 8 on the
+  GPU compiler via ``mock_num_gpu_processes`` (compile only): whether stage 3's
+  all-gathers overlap compute with and without prefetch, and Table 2 (largest GPT per
+  stage in 139 GiB per device; ``scripts/gpu_mock8.py``).
+
+Each part runs in a fresh process (a GPU's memory is the part's alone; XLA flags and the
+GPU mock must be set before JAX starts) with a time limit (``--part-seconds``), and its
+result is merged into the JSON (``--json``, default benchmarks/gpu_check.json): a
+partial run updates its parts and keeps the others, so on a machine lent 10 minutes a
+command, run one piece or part per command. ``--dry-run`` runs on CPU at tiny sizes
+(8 forced CPU devices where a piece needs N > 1, 1 elsewhere); the mock8 targets are
+then skipped: no GPU. A full run without a GPU is refused.
+
+JSON: ``machine`` (jax version, device kind and count, allocator limit, host memory, XLA
+environment), ``dry_run``, ``pieces`` (per piece its result, or its ``parts`` and the
+targets across them; every result holds ``targets``: ``{"name", "status": "PASS" | "FAIL",
+"text", "measured", "bound"}`` or ``{"name", "status": "SKIP", "reason"}``, beside the raw
+figures, and ``ran_at``, ``seconds``, ``machine``), ``summary`` (targets by status, and
+errors). Exit status 1 if a part failed to run (its ``error`` says why), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_JSON = ROOT / "benchmarks" / "gpu_check.json"
+DRY_JSON = Path(tempfile.gettempdir()) / "gpu_check_dry.json"
+PART = ROOT / "scripts" / "gpu_part.py"  # runs one part in its own process
+LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+DRY_NOTE = (
+    "dry run: CPU at tiny sizes on a shared machine; its verdicts exercise the code paths, "
+    "they are not the GPU's figures"
+)
+
+
+class Piece(NamedTuple):
+    """One piece of the check and how its process is started."""
+
+    function: str  # "module:function" under scripts/: f(ctx) or, with parts, f(ctx, part, earlier)
+    parts: tuple[str, ...] = ()  # each run in its own process; () one process
+    cpu_devices: int = 1  # forced CPU devices under --dry-run
+    xla_flags: str = ""  # added to XLA_FLAGS on GPU
+    mock_gpus: bool = False  # mock 8 GPUs' topology (compile only)
+    summary: str | None = None  # "module:function": targets across the parts
+
+
+PIECES = {
+    "n1": Piece("gpu_pieces:n1"),
+    "offload": Piece(
+        "gpu_offload:run", parts=("none", "streamed", "host_step", "host_step_params"),
+        summary="gpu_offload:targets",
+    ),
+    "prefetch": Piece("gpu_pieces:prefetch", cpu_devices=8, xla_flags=LHS),
+    "quant": Piece("gpu_pieces:quant", cpu_devices=8),
+    "mock8": Piece(
+        "gpu_mock8:run", parts=("overlap", "dp", "zero1", "zero2", "zero3"), cpu_devices=8,
+        xla_flags=LHS, mock_gpus=True, summary="gpu_mock8:targets",
+    ),
+}  # fmt: skip
+
+
+def _units(only: str | None) -> list[tuple[str, str | None]]:
+    """``--only`` as ``(piece, part or None)`` in the pieces' order; raises ValueError."""
+    every = [(p, part) for p, piece in PIECES.items() for part in piece.parts or (None,)]
+    if only is None:
+        return every
+    wanted = set()
+    for item in only.split(","):
+        piece, _, part = item.strip().partition(":")
+        if piece not in PIECES or (part and part not in PIECES[piece].parts):
+            names = [p if q is None else f"{p}:{q}" for p, q in every]
+            raise ValueError(f"--only: unknown {item!r}; choose pieces {list(PIECES)} or {names}")
+        wanted |= {(p, q) for p, q in every if p == piece and (not part or q == part)}
+    return [u for u in every if u in wanted]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the code paths")
+    ap.add_argument("--only", help="pieces or piece:part, comma-separated (default: all)")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        help=f"where results merge (default {DEFAULT_JSON.relative_to(ROOT)}; --dry-run: "
+        f"{DRY_JSON.name} in the temporary directory)",
+    )
+    ap.add_argument("--part-seconds", type=float, default=570.0, help="time limit of a part")
+    args = ap.parse_args(argv)
+    args.json = args.json or (DRY_JSON if args.dry_run else DEFAULT_JSON)
+    try:
+        args.units = _units(args.only)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def call(spec: str, *args: Any) -> Any:
+    """Calls ``"module:function"`` (a module under scripts/) with ``args``."""
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)(*args)
+
+
+# ------------------------------------------------------------------ the driver
+def _env(piece: Piece, machine: dict[str, Any]) -> dict[str, str]:
+    """The part's environment: XLA flags and, on GPU, a pinned-host limit within RAM."""
+    env = dict(os.environ)
+    if machine["platform"] == "gpu":
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {piece.xla_flags}".strip()
+        host_gib = machine["host_memory_bytes"] / 2**30
+        env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(0.75 * host_gib)))
+    return env
+
+
+def _process(args, unit: str, out: Path, *, env: dict[str, str], gpus: int) -> str | None:
+    """Runs ``--piece unit`` in a fresh process; None, or why it failed."""
+    cmd = [sys.executable, str(PART), unit, str(out), "--gpus", str(gpus)]
+    cmd += ["--dry-run"] if args.dry_run else []
+    try:
+        done = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=args.part_seconds
+        )
+    except subprocess.TimeoutExpired:
+        return (
+            f"timed out after {args.part_seconds:.0f} s: run it alone (--only {unit}) or "
+            "give it more time (--part-seconds)"
+        )
+    if done.returncode != 0:
+        return f"exit status {done.returncode}:\n" + done.stderr[-4000:]
+    return None
+
+
+def run_unit(args, piece_name: str, part: str | None, doc: dict, machine: dict) -> dict:
+    """One part (or a whole piece without parts) in its own process: its result, or
+    ``{"error": ..., "targets": []}``."""
+    piece = PIECES[piece_name]
+    unit = piece_name if part is None else f"{piece_name}:{part}"
+    gpus = machine["devices"] if machine["platform"] == "gpu" else 0
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        out = Path(tmp) / "part.json"
+        if part is not None:  # the piece's other parts, for parts that build on them
+            out.write_text(json.dumps(doc["pieces"].get(piece_name, {}).get("parts", {})))
+        print(f"{unit}: running ...", flush=True)
+        start = time.perf_counter()
+        error = _process(args, unit, out, env=_env(piece, machine), gpus=gpus)
+        result = {"error": error, "targets": []} if error else json.loads(out.read_text())
+    result.setdefault("seconds", time.perf_counter() - start)
+    result["ran_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    print(f"{unit}: {'ERROR' if error else 'done'} in {result['seconds']:.0f} s", flush=True)
+    return result
+
+
+def _merge(doc: dict, piece_name: str, part: str | None, result: dict) -> None:
+    """Puts one result into the document; a piece with parts recomputes its targets."""
+    piece = PIECES[piece_name]
+    if part is None:
+        doc["pieces"][piece_name] = result
+        return
+    entry = doc["pieces"].setdefault(piece_name, {"parts": {}})
+    entry["parts"][part] = result
+    try:
+        entry["targets"] = call(piece.summary, entry["parts"])
+    except Exception:  # a summary that breaks is a result to read, not a lost run
+        entry["targets"] = []
+        entry["error"] = traceback.format_exc(limit=3)
+
+
+def _all_results(doc: dict) -> list[dict]:
+    found = []
+    for entry in doc["pieces"].values():
+        found += [entry, *entry.get("parts", {}).values()]
+    return found
+
+
+def summarize(doc: dict) -> dict[str, int]:
+    """Targets by status across every piece and part, and the errors."""
+    counts = {"PASS": 0, "FAIL": 0, "SKIP": 0, "errors": 0}
+    for result in _all_results(doc):
+        counts["errors"] += bool(result.get("error"))
+        for t in result.get("targets", []):
+            counts[t["status"]] += 1
+    return counts
+
+
+def _load(path: Path, *, dry_run: bool) -> dict:
+    """The JSON so far; a dry run's is replaced by a GPU run's, never the reverse.
+
+    Raises:
+        ValueError: a dry run would overwrite GPU results.
+    """
+    if not path.exists():
+        return {"dry_run": dry_run, "pieces": {}}
+    doc = json.loads(path.read_text())
+    if doc.get("dry_run") is False and dry_run:
+        raise ValueError(
+            f"{path} holds GPU results; a --dry-run does not overwrite them: give it another "
+            "--json PATH (its default is in the temporary directory)."
+        )
+    if doc.get("dry_run") != dry_run or not isinstance(doc.get("pieces"), dict):
+        return {"dry_run": dry_run, "pieces": {}}
+    return doc
+
+
+def report_lines(doc: dict) -> list[str]:
+    """One line per target (its status first), per error and per skipped part."""
+    lines = []
+    for name, entry in doc["pieces"].items():
+        named = [(name, entry), *((f"{name}:{p}", r) for p, r in entry.get("parts", {}).items())]
+        for unit, result in named:
+            if result.get("error"):
+                lines.append(f"ERROR {unit}: {result['error'].strip().splitlines()[-1]}")
+            if result.get("skipped"):
+                lines.append(f"SKIP {unit}: {result['skipped']}")
+            for t in result.get("targets", []):
+                lines.append(f"{t['status']} {t.get('text') or t['name'] + ': ' + t['reason']}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        doc = _load(args.json, dry_run=args.dry_run)
+    except ValueError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        out = Path(tmp) / "machine.json"
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        cmd = [sys.executable, str(PART), "machine", str(out)]
+        subprocess.run(cmd + (["--dry-run"] if args.dry_run else []), env=env, check=True)
+        machine = json.loads(out.read_text())
+    if machine["platform"] != "gpu" and not args.dry_run:
+        print(
+            f"gpu_check: no GPU here (JAX's platform is {machine['platform']!r}): the "
+            "figures need one. Run with --dry-run for the code paths on CPU at tiny sizes.",
+            file=sys.stderr,
+        )
+        return 2
+    doc["machine"] = machine
+    if args.dry_run:
+        doc["note"] = DRY_NOTE
+    failed = False
+    for piece_name, part in args.units:
+        result = run_unit(args, piece_name, part, doc, machine)
+        failed |= bool(result.get("error"))
+        _merge(doc, piece_name, part, result)
+        doc["summary"] = summarize(doc)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")  # after each part: kept if killed
+    print("\n".join(([DRY_NOTE] if args.dry_run else []) + report_lines(doc)))
+    print(f"summary: {doc['summary']} -> {args.json}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

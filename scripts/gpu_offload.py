@@ -1,0 +1,235 @@
+"""``scripts/gpu_check.py``'s ``offload`` piece: per offload mode, the largest GPT of
+``examples/gpt.py``'s family (more layers at a fixed width) whose stage-3 step runs, and
+its time per token.
+
+Each mode is one part, run in its own process (``--only offload:host_step``): the most
+layers whose compiled step fits the device budget *and* whose state at rest outside the
+device fits the host budget (``scripts/max_model.py``'s compile-only search, fitting
+whichever binds), then that model trained a few steps (its OOM retries included). The
+host-step modes are also trained at the ``none`` mode's size, for the time comparison.
+
+Modes: ``none``; ``streamed`` (``offload="optimizer"``: optimizer state in pinned host,
+streamed through the device); ``host_step`` (``jzero.Offload(optimizer="host")``: the
+update on the host CPU); ``host_step_params`` (``jzero.Offload(optimizer="host",
+params=True)``: stage-3 parameters at rest in pinned host too). A mode this build lacks is
+recorded as skipped.
+
+Targets (:func:`targets`): ``host_step_params`` rests more host bytes per parameter than
+``host_step`` (its parameters are on the host), and for each host-step mode: its model
+reaches at least
+:data:`HOST_SHARE` of the size host memory allows (its host bytes per parameter times its
+parameters against the pinned-host limit: on the lent H200, 139 GiB of GPU memory against
+128 GiB of host memory, host memory binds, so "N x larger" is the wrong yardstick), and
+at the ``none`` mode's size its time per token is at most :data:`TIME_RATIO` x none's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import bench  # scripts/bench.py (puts examples/ and scripts/ on sys.path)
+import jax
+import max_model  # scripts/max_model.py
+from gpu_common import Context, skip, target
+
+import jzero
+from jzero.cli.units import parse_bytes
+
+
+class Mode(NamedTuple):
+    """One way of placing the optimizer (and parameters) of the offload piece."""
+
+    name: str
+    offload: Callable[[], Any]  # ZeroOptimizer(offload=...); may raise on an older build
+    host_step: bool  # the optimizer steps on the host: the host-size targets apply
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode("none", lambda: None, False),
+        Mode("streamed", lambda: "optimizer", False),
+        Mode("host_step", lambda: jzero.Offload(optimizer="host"), True),
+        Mode("host_step_params", lambda: jzero.Offload(optimizer="host", params=True), True),
+    )
+}
+PARTS = tuple(MODES)
+SIZES = {  # the family (width fixed, layers searched), batch, steps; dry: budgets too
+    "gpu": {"d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 256, "batch": 4,
+            "warmup": 1, "steps": 3},
+    "dry": {"d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "batch": 1,
+            "warmup": 1, "steps": 1, "device_budget": "2MB", "host_budget": "0.5MB"},
+}  # fmt: skip
+DEVICE_SHARE = 0.85  # of the allocator's limit: room for fragmentation (max_model's advice)
+HOST_MARGIN = 0.95  # the search keeps host bytes within this share of the pinned limit
+PINNED_DEFAULT_GIB = 64  # XLA's pinned-host cap on GPU without XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+HOST_SHARE = 0.9  # host-step params / params the pinned-host limit allows, at least
+TIME_RATIO = 2.0  # host-step ms per token / none's, at none's size, at most
+
+
+def _args(s: dict[str, Any]) -> argparse.Namespace:
+    """The namespace ``scripts/max_model.py``'s functions read."""
+    return argparse.Namespace(
+        vocab=s["vocab"], seq_len=s["seq_len"], d_model=s["d_model"], heads=s["heads"],
+        seed=0, warmup=s["warmup"], max_model_train=s["steps"],
+    )  # fmt: skip
+
+
+def budgets(ctx: Context, s: dict[str, Any]) -> dict[str, int]:
+    """Device and host budgets in bytes, and the pinned-host limit the target uses."""
+    if ctx.dry_run:
+        host = int(parse_bytes(s["host_budget"]))
+        return {"device": int(parse_bytes(s["device_budget"])), "host": host, "host_limit": host}
+    limit = jax.devices()[0].memory_stats()["bytes_limit"]
+    gib = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", PINNED_DEFAULT_GIB))
+    pinned = int(gib * 2**30)
+    return {"device": int(DEVICE_SHARE * limit), "host": int(HOST_MARGIN * pinned),
+            "host_limit": pinned}  # fmt: skip
+
+
+def _off_device(sharding: Any) -> bool:
+    """A leaf at rest outside the accelerator: a host memory kind, or on the CPU backend
+    while the default backend is another (a host-side optimizer's state)."""
+    if getattr(sharding, "memory_kind", None) not in (None, "device"):
+        return True
+    default = jax.default_backend()
+    return default != "cpu" and any(d.platform == "cpu" for d in sharding.device_set)
+
+
+def state_host_bytes(args: argparse.Namespace, entry: max_model.Entry, layers: int) -> int:
+    """Bytes per device of the planned state resting outside the device (abstract:
+    ``jax.eval_shape`` of ``init_program``, nothing allocated)."""
+    opt = max_model._optimizer(entry, bench._adamw)
+    cfg = max_model.family_config(args, layers)
+    state = jax.eval_shape(*opt.init_program(init_fn=max_model._init_fn(cfg)))
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in jax.tree.leaves(state)
+        if _off_device(x.sharding)
+    )
+
+
+def search(args, entry: max_model.Entry, *, batch: int, budget: dict[str, int]):
+    """The most layers whose compiled step fits ``budget["device"]`` and whose state at
+    rest outside the device fits ``budget["host"]``: ``(fields, compiled step)``. The
+    host bytes are scaled onto the device budget so one search fits whichever binds."""
+    found: dict[int, tuple[max_model.Compiled, int]] = {}
+    scale = budget["device"] / budget["host"]
+
+    def fit(layers: int) -> float:
+        c = max_model.compile_step(args, entry=entry, layers=layers, batch=batch,
+                                   make_tx=bench._adamw)  # fmt: skip
+        host = max(c.host, state_host_bytes(args, entry, layers))
+        found[layers] = (c, host)
+        return max(c.peak, host * scale)
+
+    known = {1: fit(1), 2: fit(2)}
+    slope = max(known[2] - known[1], 1.0)
+    guess = max(1, 1 + math.floor((budget["device"] - known[1]) / slope))
+    layers, seen = max_model.largest_fitting(fit, budget["device"], guess, known=known)
+    c, host = found[layers]
+    per_layer = max_model.family_params(args, 2) - max_model.family_params(args, 1)
+    fields = {
+        "layers": layers,
+        "params": max_model.family_params(args, layers),
+        "peak_bytes": c.peak,
+        "host_bytes": host,
+        "binds": "host" if host * scale >= c.peak else "device",
+        "next_layers_fit_bytes": seen.get(layers + 1),  # max(peak, scaled host): > budget
+        "params_per_layer": per_layer,
+        "compiles": len(seen),
+    }
+    return fields, c
+
+
+def _available(mode: Mode) -> str | None:
+    """None if this build has the mode, else why not."""
+    try:
+        jzero.ZeroOptimizer(bench._adamw(), jzero.data_mesh(), stage=3, offload=mode.offload())
+    except (AttributeError, TypeError, ValueError) as e:
+        return f"skipped: mode not available in this build ({type(e).__name__}: {e})"
+    return None
+
+
+def run(ctx: Context, part: str, earlier: dict[str, Any]) -> dict[str, Any]:
+    """One mode's search and training; host-step modes also train at none's size (from
+    ``earlier["none"]``, this run's or the JSON's)."""
+    mode, s = MODES[part], SIZES["dry" if ctx.dry_run else "gpu"]
+    if (reason := _available(mode)) is not None:
+        return {"skipped": reason, "targets": []}
+    args, budget = _args(s), budgets(ctx, s)
+    batch = s["batch"] * jax.device_count()
+    entry = max_model.Entry(f"zero3_{part}", 3, mode.offload())
+    fields, compiled = search(args, entry, batch=batch, budget=budget)
+    kw = {"entry": entry, "batch": batch, "make_tx": bench._adamw}
+    trained = max_model._train(args, compiled=compiled, layers=fields["layers"], **kw)
+    result = {"sizes": s, "budget": budget, "search": fields, "train": trained}
+    none = (earlier.get("none") or {}).get("train")
+    if mode.host_step and none is not None:
+        at = none["layers"]
+        step = max_model.compile_step(args, layers=at, **kw)
+        result["train_at_none_size"] = max_model.train_steps(args, compiled=step, layers=at, **kw)
+    return result | {"targets": []}
+
+
+def _host_targets(name: str, part: dict[str, Any], none: dict[str, Any] | None) -> list:
+    search, trained = part["search"], part["train"]
+    per_param = search["host_bytes"] / search["params"]
+    allowed = part["budget"]["host_limit"] / per_param
+    share = trained["params"] / allowed
+    text = (
+        f"{name} params {trained['params']:,} / the {allowed:,.0f} the pinned-host limit "
+        f"allows at {per_param:.2f} host bytes per parameter: {share:.3f} >= {HOST_SHARE}"
+    )
+    ok = share >= HOST_SHARE
+    found = [target(f"offload {name} size", ok, text, measured=share, bound=HOST_SHARE)]
+    if none is None or "train_at_none_size" not in part:
+        return found + [skip(f"offload {name} time", "skipped: needs offload:none's result "
+                             "first (run --only offload:none, then this mode)")]  # fmt: skip
+    ratio = part["train_at_none_size"]["ms_per_token"] / none["train"]["ms_per_token"]
+    text = f"{name} ms per token / none's at none's size {ratio:.3f} <= {TIME_RATIO}"
+    return found + [target(f"offload {name} time", ratio <= TIME_RATIO, text, measured=ratio,
+                           bound=TIME_RATIO)]  # fmt: skip
+
+
+def _not_checked(name: str, part: dict[str, Any] | None) -> str:
+    """Why a mode's targets are not checked: not run, not in this build, or failed."""
+    if part is None:
+        return f"skipped: not run yet (--only offload:{name})"
+    if part.get("skipped"):
+        return part["skipped"]
+    return f"skipped: offload:{name} failed (its error is in its part)"
+
+
+def _params_on_host(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``params=True`` rests more host bytes per parameter than the host step alone (its
+    parameter shards): a mode that builds but leaves the parameters on the device fails."""
+    name = "offload host_step_params params on host"
+    a, b = parts.get("host_step") or {}, parts.get("host_step_params") or {}
+    if "search" not in a or "search" not in b:
+        return skip(name, "skipped: needs offload:host_step and offload:host_step_params")
+    per_param = lambda p: p["search"]["host_bytes"] / p["search"]["params"]
+    extra = per_param(b) - per_param(a)
+    text = f"host_step_params host bytes per parameter - host_step's {extra:.2f} > 0"
+    return target(name, extra > 0, text, measured=extra, bound=0.0)
+
+
+def targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The host-step modes' targets, from the parts recorded so far."""
+    found = []
+    none = parts.get("none")
+    none = none if none and "train" in none else None
+    for name, mode in MODES.items():
+        if not mode.host_step:
+            continue
+        part = parts.get(name)
+        if part is None or "train" not in part:
+            why = _not_checked(name, part)
+            found += [skip(f"offload {name} size", why), skip(f"offload {name} time", why)]
+        else:
+            found += _host_targets(name, part, none)
+    return found + [_params_on_host(parts)]

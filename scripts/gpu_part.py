@@ -1,0 +1,73 @@
+"""One part of ``scripts/gpu_check.py``, in the process the driver starts for it.
+
+    python scripts/gpu_part.py PIECE[:PART] OUT [--dry-run] [--gpus N]
+    python scripts/gpu_part.py machine OUT [--dry-run]
+
+Configures JAX before it starts (CPU under ``--dry-run``, the piece's CPU device count,
+the GPU mock for ``mock8`` when ``--gpus`` N > 0), runs the part and writes its result,
+with its seconds and the machine as this process saw it, to OUT. A part with siblings
+reads the results recorded so far for them from OUT (the driver writes them there).
+``machine`` writes only the machine's description (the driver's probe; it does not
+preallocate GPU memory when started with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+from gpu_check import PIECES, ROOT, Piece, call
+
+
+def configure_jax(piece: Piece | None, *, dry_run: bool, gpus: int) -> None:
+    """Before JAX starts: CPU under --dry-run, the CPU device count, the GPU mock."""
+    if dry_run:
+        jax.config.update("jax_platforms", "cpu")
+    if piece is None:
+        return
+    jax.config.update("jax_num_cpu_devices", piece.cpu_devices)
+    if piece.mock_gpus and 0 < gpus < 8:
+        jax.config.update("mock_num_gpu_processes", 8 // gpus)
+
+
+def run(unit: str, out: Path, *, dry_run: bool, gpus: int) -> dict:
+    """The part's result (``unit`` is ``piece`` or ``piece:part``)."""
+    import gpu_common
+
+    name, _, part = unit.partition(":")
+    piece = PIECES[name]
+    ctx = gpu_common.Context(dry_run=dry_run, gpu=gpus > 0 and not dry_run)
+    start = time.perf_counter()
+    if piece.parts:
+        earlier = json.loads(out.read_text()) if out.exists() else {}
+        result = call(piece.function, ctx, part, earlier)
+    else:
+        result = call(piece.function, ctx)
+    return result | {"seconds": time.perf_counter() - start, "machine": gpu_common.machine()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("unit", help="piece, piece:part, or 'machine'")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs present (0: none)")
+    args = ap.parse_args()
+    piece = None if args.unit == "machine" else PIECES[args.unit.partition(":")[0]]
+    configure_jax(piece, dry_run=args.dry_run, gpus=args.gpus)
+    sys.path.insert(0, str(ROOT / "examples"))  # examples/gpt.py, examples/data.py
+    import gpu_common
+
+    if piece is None:
+        result = gpu_common.machine()
+    else:
+        result = run(args.unit, args.out, dry_run=args.dry_run, gpus=args.gpus)
+    args.out.write_text(json.dumps(result, indent=2, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()
