@@ -185,7 +185,7 @@ def summary(curves: list[list[float]], exact: list[list[float]], last: int) -> d
 
 def json_options(variant: Variant) -> dict[str, Any]:
     """The variant's keywords, JSON-able: option objects as their non-default fields."""
-    return bench.json_options(variant.step_options, variant.opt_options)
+    return bench.json_options(variant.step_options, variant.opt_options, block=False)
 
 
 def cpu_name() -> str:

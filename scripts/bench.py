@@ -306,10 +306,12 @@ def _json_options(run: Run) -> dict[str, Any]:
     return json_options(run.step_options or {}, run.opt_options)
 
 
-def json_options(step_options: dict[str, Any], opt_options: dict[str, Any]) -> dict[str, Any]:
+def json_options(
+    step_options: dict[str, Any], opt_options: dict[str, Any], *, block: bool = True
+) -> dict[str, Any]:
     """train_step and ZeroOptimizer keywords, JSON-able: a ``Precision`` or
-    ``Communication`` as its fields that differ from the default (with ``quant_block`` when
-    it quantizes)."""
+    ``Communication`` as its fields that differ from the default (with ``block``, also
+    ``quant_block`` when it quantizes)."""
     out: dict[str, Any] = dict(step_options)
     for key, value in opt_options.items():
         if dataclasses.is_dataclass(value):
@@ -319,7 +321,7 @@ def json_options(step_options: dict[str, Any], opt_options: dict[str, Any]) -> d
                 f.name: getattr(value, f.name)
                 for f in dataclasses.fields(value)
                 if getattr(value, f.name) != getattr(default, f.name)
-                or (f.name == "quant_block" and quantizes)
+                or (f.name == "quant_block" and quantizes and block)
             }
             value = {k: v.name if isinstance(v, np.dtype) else v for k, v in diff.items()}
         out[key] = value

@@ -25,9 +25,9 @@ import jzero
 WORKER = REPO / "tests" / "mp_worker.py"
 
 
-def single_process(stage, precision=None):
+def single_process(stage, comm=None):
     opt = jzero.ZeroOptimizer(
-        optax.adam(1e-2), jzero.data_mesh(), stage=stage, min_shard_size=1, precision=precision
+        optax.adam(1e-2), jzero.data_mesh(), stage=stage, min_shard_size=1, comm=comm
     )
     state, step, losses = opt.init(awkward_params()), opt.train_step(awkward_loss), []
     for batch in awkward_batches(3, batch_size=16):
@@ -49,8 +49,8 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
     assert runs[0] == runs[1]  # every process ends with the same numbers
     run = runs[0]
     assert set(run["losses"]) == set(TRAIN_RUNS)
-    for key, (stage, precision) in TRAIN_RUNS.items():
-        opt, state, losses = single_process(stage, jzero.Precision(**precision))
+    for key, (stage, comm) in TRAIN_RUNS.items():
+        opt, state, losses = single_process(stage, jzero.Communication(**comm))
         np.testing.assert_allclose(run["losses"][key], losses, rtol=1e-6)
         for name, want in opt.full_params(state).items():
             np.testing.assert_allclose(
