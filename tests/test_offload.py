@@ -19,7 +19,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from _models import (
     assert_tree_close,
@@ -30,24 +29,13 @@ from _models import (
     stacked_batch,
     stacked_params,
 )
+from _offload import HOST, TXS, memory_kinds
 from jax.ad_checkpoint import checkpoint_name
 
 import jzero
 from jzero.core.offload.split import split_update
 
-HOST = "pinned_host"
 BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-TXS = {
-    "adam": optax.adam(1e-2),
-    "clip_adamw": optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
-    "adafactor": optax.adafactor(1e-2),
-    # Clips Adam's *updates*: the norm reads every leaf's moments, so no per-leaf split.
-    "adam_clip": optax.chain(optax.scale_by_adam(), optax.clip_by_global_norm(0.5)),
-}
-
-
-def _kinds(tree) -> set[str]:
-    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
 
 def _full(opt, state):
@@ -63,7 +51,7 @@ def _run(stage: int, tx: str, offload: str | None, precision=BF16, steps: int = 
         offload=offload,
     )  # fmt: skip
     state = opt.init(awkward_params())
-    at_init = _kinds((state.opt_state, state.master)), _kinds(state.params)
+    at_init = memory_kinds((state.opt_state, state.master)), memory_kinds(state.params)
     step = opt.train_step(awkward_loss)
     losses = []
     for batch in awkward_batches(steps):
@@ -78,8 +66,8 @@ def _run(stage: int, tx: str, offload: str | None, precision=BF16, steps: int = 
 def test_offloaded_state_rests_on_host_and_matches_the_device_run(stage, tx):
     opt, _, at_init, state, losses = _run(stage, tx, "optimizer")
     assert at_init == ({HOST}, {"device"})
-    assert _kinds((state.opt_state, state.master)) == {HOST}
-    assert _kinds(state.params) == {"device"}
+    assert memory_kinds((state.opt_state, state.master)) == {HOST}
+    assert memory_kinds(state.params) == {"device"}
     _, _, _, plain, plain_losses = _run(stage, tx, None)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
         assert got.sharding.spec == want.sharding.spec  # the same layout, another memory
@@ -153,7 +141,7 @@ def test_checkpoint_restores_an_offloaded_state_to_host_memory():
     with tempfile.TemporaryDirectory() as d, jzero.Checkpointer(d, async_save=False) as ckpt:
         ckpt.save(5, state)
         restored = ckpt.restore(opt, awkward_params()).state
-    assert _kinds((restored.opt_state, restored.master)) == {HOST}
+    assert memory_kinds((restored.opt_state, restored.master)) == {HOST}
     for got, want in zip(jax.tree.leaves(_full(opt, restored)), jax.tree.leaves(_full(opt, state))):
         np.testing.assert_array_equal(got, want)
 

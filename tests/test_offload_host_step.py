@@ -15,27 +15,15 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from _models import assert_tree_close, awkward_batches, awkward_loss, awkward_params, reference
+from _offload import HOST, TXS, memory_kinds
 
 import jzero
 
-HOST = "pinned_host"
 BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
 FP16 = jzero.Precision(param_dtype=jnp.float16, initial_loss_scale=2.0**10)
 ON_HOST = jzero.Offload(optimizer="host")
-TXS = {
-    "adam": optax.adam(1e-2),
-    "clip_adamw": optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
-    "adafactor": optax.adafactor(1e-2),
-    # Clips Adam's *updates*: no per-leaf split, the whole update is one host bucket.
-    "adam_clip": optax.chain(optax.scale_by_adam(), optax.clip_by_global_norm(0.5)),
-}
-
-
-def _kinds(tree) -> set[str]:
-    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
 
 def _opt(stage, tx, offload, precision=BF16):
@@ -75,8 +63,8 @@ def _full(opt, state):
 def test_host_step_places_the_state_on_host_and_matches_the_device_run(stage, tx):
     opt, state, losses = _run(stage, tx, ON_HOST)
     assert state.plan.host_step and state.plan.offload == ON_HOST
-    assert _kinds((state.opt_state, state.master)) == {HOST}
-    assert _kinds(state.params) == {"device"}
+    assert memory_kinds((state.opt_state, state.master)) == {HOST}
+    assert memory_kinds(state.params) == {"device"}
     _, plain, plain_losses = _run(stage, tx, None)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
         assert got.sharding.spec == want.sharding.spec  # the same layout, another memory
@@ -89,7 +77,7 @@ def test_host_step_places_the_state_on_host_and_matches_the_device_run(stage, tx
 def test_host_step_fp32_matches_single_device_optax():
     """fp32: no master weights; the parameters rest on the device and go down per leaf."""
     opt, state, losses = _run(2, "clip_adamw", ON_HOST, jzero.Precision())
-    assert state.master is None and _kinds(state.opt_state) == {HOST}
+    assert state.master is None and memory_kinds(state.opt_state) == {HOST}
     ref = reference(TXS["clip_adamw"], awkward_params(), awkward_loss, awkward_batches(4))
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-6)
     params, opt_state, _ = _full(opt, state)

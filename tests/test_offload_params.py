@@ -19,7 +19,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from _models import (
     assert_tree_close,
@@ -30,23 +29,14 @@ from _models import (
     stacked_batch,
     stacked_params,
 )
+from _offload import HOST, TXS, memory_kinds
 
 import jzero
 from jzero.internal.equation import walk
 from jzero.internal.primitives import is_copy_to_device
 
-HOST = "pinned_host"
 BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
 FP32 = jzero.Precision()
-TXS = {
-    "adam": optax.adam(1e-2),
-    "clip_adamw": optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
-    "adafactor": optax.adafactor(1e-2),
-}
-
-
-def _kinds(tree) -> set[str]:
-    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
 
 def _opt(tx: str, precision, params: bool, optimizer: str | None = None, **kw):
@@ -85,7 +75,7 @@ def test_sharded_parameters_and_master_rest_on_the_host(optimizer):
     kinds = lambda tree: jax.tree.map(lambda x: x.sharding.memory_kind, tree)
     assert (kinds(state.params), kinds(state.master)) == (planned, master)
     opt_kind = HOST if optimizer else "device"
-    assert _kinds(state.opt_state) == set(jax.tree.leaves(at_init.opt_state)) == {opt_kind}
+    assert memory_kinds(state.opt_state) == set(jax.tree.leaves(at_init.opt_state)) == {opt_kind}
     # The same layout as without offload, in another memory.
     _, _, plain, _ = _run("adam", BF16, False, optimizer)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
