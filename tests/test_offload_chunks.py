@@ -22,15 +22,8 @@ import pytest
 from _models import regression_batches, stacked_batch, stacked_loss, stacked_params
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from test_offload import (
-    BF16,
-    FP16,
-    HOST,
-    TXS,
-    _full,
-    _kinds,
-    assert_overflow_skipped_as_without_offload,
-)
+from _offload import HOST, TXS, memory_kinds
+from test_offload import BF16, FP16, _full, assert_overflow_skipped_as_without_offload
 
 import jzero
 from jzero.accounting import collectives
@@ -64,8 +57,8 @@ def _run(stage: int, tx: str, offload: str | None, chunk: int | None = LAYER):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_chunked_update_matches_the_device_run(stage, tx):
     opt, _, state, losses = _run(stage, tx, "optimizer")
-    assert _kinds((state.opt_state, state.master)) == {HOST}
-    assert _kinds(state.params) == {"device"}
+    assert memory_kinds((state.opt_state, state.master)) == {HOST}
+    assert memory_kinds(state.params) == {"device"}
     _, _, plain, plain_losses = _run(stage, tx, None)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
         assert got.sharding.spec == want.sharding.spec
