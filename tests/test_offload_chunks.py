@@ -20,9 +20,9 @@ import numpy as np
 import optax
 import pytest
 from _models import regression_batches, stacked_batch, stacked_loss, stacked_params
+from _offload import HOST, TXS, memory_kinds
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from _offload import HOST, TXS, memory_kinds
 from test_offload import BF16, FP16, _full, assert_overflow_skipped_as_without_offload
 
 import jzero

@@ -206,9 +206,7 @@ def test_flops_within_one_percent_of_the_whole_model_gather(model):
     assert flops <= 1.01 * whole_flops, (flops, whole_flops)
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_matches_single_device_optax(model):
-    state, step, full, params, loss = _setup(model)
+def assert_matches_single_device_optax(state, step, full, params, loss):
     ref = reference(TX(), params, loss, batches())
     losses = []
     for batch in batches():
@@ -217,3 +215,75 @@ def test_matches_single_device_optax(model):
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(full(state)), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_matches_single_device_optax(model):
+    assert_matches_single_device_optax(*_setup(model))
+
+
+# With StepOptions(remat_policy=...) backward recomputes activations layer by layer: the
+# repeated layers are found from the parameters (a list of layer dicts, Linen's MLP_0 ...
+# MLP_7, an nnx.List), each run as one jzero.remat_layer with the policy.
+RECOMPUTE = jzero.StepOptions(remat_policy=jax.checkpoint_policies.nothing_saveable)
+FOUND = ["loop", "linen", "nnx"]
+
+
+def _recomputing(model: str):
+    state, _, full, params, loss = _setup(model)
+    if model == "linen":
+        return state, state.train_step(linen_loss, RECOMPUTE), full, params, loss
+    if model == "nnx":
+        step = state.train_step(lambda m, batch: mse(m(batch["x"]), batch), RECOMPUTE)
+        return state, step, full, params, loss
+    opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=3)
+    return state, opt.train_step(loss, RECOMPUTE), full, params, loss
+
+
+@functools.cache
+def compiled_recomputing(model: str):
+    state, step, *_ = _recomputing(model)
+    return step.lower(state, batches(1)[0]).compile()
+
+
+@functools.cache
+def compiled_by_hand():
+    """Each layer a jzero.remat_layer written by hand (what layers= does for Flax)."""
+    block = jzero.remat_layer(mlp)
+
+    def loss(params, batch):
+        x_BxD = batch["x"]
+        for p in params["blocks"]:
+            x_BxD = block(p, x_BxD)
+        return mse(x_BxD, batch)
+
+    opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=3)
+    state = opt.init(listed())
+    return opt.train_step(loss, manual_gather=True).lower(state, batches(1)[0]).compile()
+
+
+@pytest.mark.parametrize("model", FOUND)
+def test_remat_policy_recomputes_each_found_layer(model):
+    kept, recomputed = compiled(model), compiled_recomputing(model)
+    temp = recomputed.memory_analysis().temp_size_in_bytes
+    by_hand = compiled_by_hand().memory_analysis().temp_size_in_bytes
+    default = kept.memory_analysis().temp_size_in_bytes
+    print(f"{model}: temp {temp:,} B recomputing, {default:,} B keeping, by hand {by_hand:,} B")
+    # As low as one hand-written remat_layer per layer; the L - 1 inner layers' kept
+    # tanh outputs (B/N x H fp32 each) are gone from the default's temp.
+    assert temp <= by_hand, (temp, by_hand)
+    assert default - temp >= 4 * (B // N) * H * (L - 1), (default, temp)
+    # Backward recomputes each layer's x @ w1 (tanh's input; the cotangents need no other
+    # forward matmul) and gathers its w2 again, except the last layer's: its backward
+    # follows its forward at once (the loss is in its span), and XLA reuses both. So no
+    # more than the hand-written layers recompute.
+    forward = 2 * (B // N) * D * H
+    dots = _dot_flops(recomputed.as_text())
+    assert dots == _dot_flops(kept.as_text()) + (L - 1) * forward
+    assert dots <= _dot_flops(compiled_by_hand().as_text())
+    assert all_gathers(recomputed, (H, D)) == 2 * L - 1
+
+
+@pytest.mark.parametrize("model", FOUND)
+def test_remat_policy_matches_single_device_optax(model):
+    assert_matches_single_device_optax(*_recomputing(model))

@@ -2,6 +2,11 @@
 stage 3 as they are (the default step gathers each weight at its use), or with
 ``jzero.linen.TrainState.create(..., stage=3, layers=Block)`` recomputing each block.
 
+Without ``layers=``, ``StepOptions(remat_policy=jax.checkpoint_policies.nothing_saveable)``
+recomputes each block as ``layers=`` does (the blocks are found from the parameter names,
+``encoderdecoderblock_0`` ..., ``blocks_0`` ...), reaching the same compiled temp:
+``layers=`` is an optional hint.
+
 Flax's lm1b ``TransformerLM`` (block ``EncoderDecoder1DBlock``) and nanodo's
 ``TransformerDo`` (block ``TBlock``), at tiny sizes, with no dropout. Every stage matches
 single-device Optax; in stage 3 each block kernel is all-gathered twice per step (forward,
@@ -147,32 +152,28 @@ def nbytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_layers_matches_single_device_optax(name, stage):
+def assert_matches_oracle(name: str, state, step) -> None:
     ref = oracle(name)
-    state = make_state(name, stage, layers=case(name).block)
-    step = state.train_step(case(name).loss_fn)
     losses = []
     for batch in make_batches(STEPS):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-5, atol=1e-6)
     assert_tree_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layers_matches_single_device_optax(name, stage):
+    state = make_state(name, stage, layers=case(name).block)
+    assert_matches_oracle(name, state, state.train_step(case(name).loss_fn))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_stage3_without_layers_matches_single_device_optax(name):
     # The default step: each weight gathered at its use (and again in backward).
-    ref = oracle(name)
     state = make_state(name, 3)
-    step = state.train_step(case(name).loss_fn)
-    losses = []
-    for batch in make_batches(STEPS):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5, atol=1e-6)
-    assert_tree_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
+    assert_matches_oracle(name, state, state.train_step(case(name).loss_fn))
 
 
 def compiled_whole_gather(name: str):
@@ -214,3 +215,30 @@ def test_stage3_gathers_each_block_twice_and_holds_one(name, layers):
     assert temp_whole - temp >= (LAYERS - 1) * block_bytes, (temp, temp_whole, block_bytes)
     if layers:
         assert temp < nbytes(params), (temp, nbytes(params))
+
+
+RECOMPUTE = jzero.StepOptions(remat_policy=jax.checkpoint_policies.nothing_saveable)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_remat_policy_without_layers_reaches_the_layers_temp(name):
+    # The blocks found from the parameter names, each recomputed: no more temp than
+    # layers=Block (which names the class), far less than keeping every activation.
+    state = make_state(name, 3)
+    batch = make_batches(1)[0]
+    recomputing = state.train_step(case(name).loss_fn, RECOMPUTE).lower(state, batch).compile()
+    temp = recomputing.memory_analysis().temp_size_in_bytes
+    with_layers = compiled_stage3(name, layers=case(name).block).memory_analysis()
+    keeping = compiled_stage3(name).memory_analysis().temp_size_in_bytes
+    print(
+        f"{name} stage-3 temp: remat_policy without layers= {temp} B, layers= "
+        f"{with_layers.temp_size_in_bytes} B, default (activations kept) {keeping} B"
+    )
+    assert temp <= with_layers.temp_size_in_bytes, (temp, with_layers.temp_size_in_bytes)
+    assert temp < keeping
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_remat_policy_without_layers_matches_single_device_optax(name):
+    state = make_state(name, 3)
+    assert_matches_oracle(name, state, state.train_step(case(name).loss_fn, RECOMPUTE))

@@ -54,14 +54,17 @@ class StepOptions:
             neither a mesh axis nor an alias raises ``ValueError`` naming it. An axis the
             loss binds itself (``jax.vmap(..., axis_name='batch')``) needs no alias.
         remat_policy: what stage 3's default gathering (``manual_gather=False``) lets
-            backward keep of each step of a scan over stacked layers, prefetched or not
-            (``Communication(prefetch=...)``). None (default): every activation, as FSDP
-            does; backward gathers the layer's parameters again and recomputes nothing. A
-            ``jax.checkpoint_policies`` policy keeps only what it saves and recomputes the
-            rest in backward, e.g. ``jax.checkpoint_policies.nothing_saveable``: each
-            layer's forward again from its input (more FLOPs, less activation memory). A
-            gathered parameter is never kept, whatever the policy. Outside such scans the
-            policy changes nothing. Stage 3 without ``manual_gather`` only (with
+            backward keep of each layer: each step of a scan over stacked layers,
+            prefetched or not (``Communication(prefetch=...)``), and each repeated layer of
+            an unrolled model (parameter subtrees named ``blocks_0``, ``blocks_1``, ... as
+            Flax Linen names submodules, or a list / ``nnx.List`` of layers, read one
+            after another; no ``layers=`` needed). None (default): every activation, as
+            FSDP does; backward gathers the layer's parameters again and recomputes
+            nothing. A ``jax.checkpoint_policies`` policy keeps only what it saves and
+            recomputes the rest in backward, layer by layer, e.g.
+            ``jax.checkpoint_policies.nothing_saveable``: each layer's forward again from
+            its input (more FLOPs, less activation memory). A gathered parameter is never
+            kept, whatever the policy. Stage 3 without ``manual_gather`` only (with
             ``manual_gather``, give the policy to :func:`jzero.remat_layer`).
 
     Examples:

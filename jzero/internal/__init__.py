@@ -24,7 +24,10 @@ Modules:
 - :mod:`.interpret`: the interpreter: :func:`~.interpret.run` and
   :func:`~.interpret.evaluate` evaluate a jaxpr under a feature's
   :class:`~.interpret.Rules`; :func:`~.interpret.rebind` re-applies a higher-order
-  primitive with its bodies evaluated under the same rules.
+  primitive with its bodies evaluated under the same rules;
+  :func:`~.interpret.run_in_regions` evaluates ranges of equations as calls of their own
+  (an unrolled model's layers) and :func:`~.interpret.narrowest_cut` finds where the
+  fewest bytes cross between two equations.
 - :mod:`.unbound_axes`: which collective of a function names an axis a step lacks.
 - :mod:`.coordination`: JAX's coordination-service key-value store (multi-process
   progress, :mod:`jzero.distributed`).

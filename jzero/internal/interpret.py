@@ -13,7 +13,7 @@ and XLA metadata), and re-applies higher-order primitives (:func:`rebind`: ``jit
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from typing import Any
 
 import jax
@@ -53,15 +53,101 @@ def run(
     rules: Rules,
     *,
     consts: Sequence[Any] | None = None,
+    before: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """``jaxpr`` applied to ``args`` under ``rules`` (``consts``: instead of its own
-    constants); its outputs, each :meth:`Rules.read`."""
+    constants); its outputs, each :meth:`Rules.read`. ``before(e)``, if given, is called
+    before each of ``jaxpr``'s own equations ``e`` is evaluated (not those of bodies)."""
     jaxpr = closed(jaxpr)
     inner = jaxpr.jaxpr
     env = rules.scope(dict(zip(inner.constvars, jaxpr.consts if consts is None else consts)))
     env.update(zip(inner.invars, args))
-    evaluate(jaxpr, env, rules)
+    if before is None:
+        evaluate(jaxpr, env, rules)
+    else:
+        for e in range(len(inner.eqns)):
+            before(e)
+            evaluate(jaxpr, env, rules, [e])
     return [rules.read(value(env, v), v) for v in inner.outvars]
+
+
+def run_in_regions(
+    jaxpr: ClosedJaxpr | Jaxpr,
+    args: Sequence[Any],
+    rules: Rules,
+    regions: Sequence[tuple[int, int]],
+    call_region: Callable[[Callable[[Rules, list[Any]], list[Any]], list[Any]], list[Any]],
+) -> list[Any]:
+    """:func:`run`, with each range ``(start, stop)`` of ``regions`` (ascending, disjoint
+    equation numbers) evaluated as one call: ``call_region(body, inputs)`` returns the
+    region's outputs, where ``inputs`` are the values the region reads from before it (as
+    the environment holds them) and ``body(rules, inputs)`` evaluates its equations."""
+    jaxpr = closed(jaxpr)
+    inner = jaxpr.jaxpr
+    env = rules.scope(dict(zip(inner.constvars, jaxpr.consts)))
+    env.update(zip(inner.invars, args))
+    done = 0
+    for start, stop in regions:
+        evaluate(jaxpr, env, rules, range(done, start))
+        ins, outs = _region_io(inner, start, stop)
+
+        def body(region_rules: Rules, values: list[Any], ins=ins, outs=outs, span=(start, stop)):
+            local = region_rules.scope(dict(zip(ins, values)))
+            evaluate(jaxpr, local, region_rules, range(*span))
+            return [local[v] for v in outs]
+
+        env.update(zip(outs, call_region(body, [env[v] for v in ins])))
+        done = stop
+    evaluate(jaxpr, env, rules, range(done, len(inner.eqns)))
+    return [rules.read(value(env, v), v) for v in inner.outvars]
+
+
+def _region_io(jaxpr: Jaxpr, start: int, stop: int) -> tuple[list[Var], list[Var]]:
+    """The variables equations ``start:stop`` of ``jaxpr`` read from before them, and those
+    they define that later equations or the outputs read; each in first-seen order."""
+    eqns = jaxpr.eqns
+    defined = {v for e in eqns[start:stop] for v in e.outvars}
+    ins: dict[Var, None] = {}
+    for e in eqns[start:stop]:
+        ins.update((v, None) for v in e.invars if isinstance(v, Var) and v not in defined)
+    later = {v for e in eqns[stop:] for v in e.invars if isinstance(v, Var)}
+    later.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    outs = [v for e in eqns[start:stop] for v in e.outvars if v in later]
+    return list(ins), outs
+
+
+def narrowest_cut(jaxpr: ClosedJaxpr | Jaxpr, lo: int, hi: int) -> int:
+    """The equation number ``c`` in ``[lo, hi]`` where the fewest bytes cross from
+    equations ``:c`` (and the inputs) to equations ``c:`` (and the outputs): where a
+    region starting at ``c`` saves the least (the first of equals)."""
+    inner = closed(jaxpr).jaxpr
+    eqns = inner.eqns
+    last_read: dict[Var, int] = {}  # the last equation reading each variable
+    for e, eqn in enumerate(eqns):
+        last_read.update((v, e) for v in eqn.invars if isinstance(v, Var))
+    last_read.update((v, len(eqns)) for v in inner.outvars if isinstance(v, Var))
+    defined = [*inner.constvars, *inner.invars, *(v for e in eqns[:lo] for v in e.outvars)]
+    crossing = sum(_nbytes(v) for v in set(defined) if last_read.get(v, -1) >= lo)
+    best, best_bytes = lo, crossing
+    for c in range(lo + 1, hi + 1):
+        eqn = eqns[c - 1]  # now before the cut: its outputs cross, its last reads end
+        crossing += sum(_nbytes(v) for v in eqn.outvars if last_read.get(v, -1) >= c)
+        ended = {v for v in eqn.invars if isinstance(v, Var) and last_read.get(v) == c - 1}
+        crossing -= sum(_nbytes(v) for v in ended)
+        if crossing < best_bytes:
+            best, best_bytes = c, crossing
+    return best
+
+
+def _nbytes(v: Var) -> int:
+    aval = v.aval
+    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
 
 
 def evaluate(

@@ -18,7 +18,10 @@ them all up front holds the whole model on every device. Instead the loss is tra
   :func:`jzero.remat_layer` of that one equation, and again in backward
   (:mod:`.deferred`); ``params['blocks'][i]`` of a stack takes the layer's shards first.
   A parameter used more than once (a tied embedding) is gathered where first used, once,
-  and held; a dry run of the interpreter counts the uses.
+  and held; a dry run of the interpreter counts the uses. With a remat policy
+  (``StepOptions(remat_policy=...)``) the model's repeated layers, found from the
+  parameters (:mod:`.layers`), each run as one :func:`jzero.remat_layer` with the policy
+  instead: recomputed layer by layer, as ``layers=`` does for Flax models.
 
 Every other equation is bound as traced, so the numerics are the user's own: only where
 and how often the all-gathers happen changes (docs/design.md §4). The loss's jaxpr is
@@ -35,11 +38,12 @@ from typing import Any
 
 import jax
 
-from ...internal.equation import Equation, Remat, Scan, only_indexed
-from ...internal.interpret import Rules, run
+from ...internal.equation import Equation, Remat, Scan, equations, only_indexed
+from ...internal.interpret import Rules, narrowest_cut, run, run_in_regions
 from ...internal.primitives import Kind
 from ..comm.collectives import Sharded, gather, gather_each, saves_no_gathered
-from .deferred import Deferred, Derived, is_lazy, use
+from .deferred import Deferred, Derived, gathered_at, is_lazy, use
+from .layers import layer_gaps, layer_of
 from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
 
@@ -51,7 +55,8 @@ def gather_where_used(
 ) -> Callable[..., Any]:
     """``fn(params, *args)`` for ``params`` holding :class:`Sharded` handles, each gathered
     where ``fn`` uses it (per layer inside scans over stacked parameters). ``policy``: what
-    backward keeps of each scan step (:attr:`jzero.StepOptions.remat_policy`).
+    backward keeps of each scan step and each repeated layer of an unrolled model
+    (:attr:`jzero.StepOptions.remat_policy`).
 
     Equal to ``fn(jzero.gather(params), *args)`` in value and gradient.
     """
@@ -60,32 +65,64 @@ def gather_where_used(
         traced, out_shape = jax.make_jaxpr(lambda p, *a: fn(gather_each(p), *a), return_shape=True)(
             params, *args
         )
-        shared = _used_more_than_once(traced, params, args)
+        shared, reads = _dry_run(traced, params, args)
         rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
-        out = run(traced, jax.tree.leaves((params, args)), rules)
+        leaves = jax.tree.leaves((params, args))
+        spans = [] if policy is None else _spans(traced, _layers(params), reads)
+        if not spans:
+            out = run(traced, leaves, rules)
+        else:  # an unrolled model's layers, each recomputed as the policy says
+
+            def layer(body: Callable, values: list[Any]) -> list[Any]:
+                run_body = lambda inputs: body(_Gathering(), inputs)
+                return gathered_at(run_body, values, list(map(is_lazy, values)), rules.read, policy)
+
+            out = run_in_regions(traced, leaves, rules, spans, layer)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return call
 
 
+def _is_handle(x: Any) -> bool:
+    return isinstance(x, Sharded)
+
+
 def _handles(params: Any) -> list[Sharded]:
-    is_handle = lambda x: isinstance(x, Sharded)
-    return [x for x in jax.tree.leaves(params, is_leaf=is_handle) if is_handle(x)]
+    return [x for x in jax.tree.leaves(params, is_leaf=_is_handle) if _is_handle(x)]
 
 
-def _used_more_than_once(traced: Any, params: Any, args: tuple) -> frozenset[int]:
-    """The keys (:attr:`Deferred.key`) of the deferred parameters ``traced`` uses more than
-    once outside loops and checkpoints: a dry run (traced, then dropped) that counts uses."""
-    counts = []
+def _layers(params: Any) -> list[int | None]:
+    """Each handle's repeated layer (:func:`.layers.layer_of`), in :func:`_handles`' order."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_handle)[0]
+    handles = [(path, x) for path, x in leaves if _is_handle(x)]
+    return layer_of([p for p, _ in handles], [tuple(x.layout.shape) for _, x in handles])
+
+
+def _spans(traced: Any, layers: list[int | None], reads: dict) -> list[tuple[int, int]]:
+    """Each repeated layer's equations (:mod:`.layers`), cut where the fewest bytes cross."""
+    gaps = layer_gaps(layers, reads, len(equations(traced)))
+    if gaps:  # the first layer starts after the (deferred) gathers
+        gaps[0] = (max(gaps[0][0], max(reads[-1]) + 1), gaps[0][1])
+    cuts = [narrowest_cut(traced, lo, hi) for lo, hi in gaps]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dict[int, list]]:
+    """What a dry run (traced, then dropped) of ``traced`` finds: the keys
+    (:attr:`Deferred.key`) of the deferred parameters used more than once outside loops
+    and checkpoints, and by handle position the top-level equations that read each
+    (position -1: the gathers themselves)."""
+    found = []
 
     def dry(params: Any, *args: Any) -> list:
         rules = _Gathering(_handles(params), shared=frozenset(), counting=True)
-        out = run(traced, jax.tree.leaves((params, args)), rules)
-        counts.append(rules.uses)
-        return out
+        found.append(rules)
+        return run(traced, jax.tree.leaves((params, args)), rules, before=rules.entering)
 
     jax.make_jaxpr(dry)(params, *args)
-    return frozenset(k for k, n in counts[0].items() if n > 1)
+    rules = found[0]
+    shared = frozenset(k for k, n in rules.uses.items() if n > 1)
+    return shared, dict(rules.reads)
 
 
 class _Gathering(Rules):
@@ -110,10 +147,18 @@ class _Gathering(Rules):
         counting: bool = False,
     ):
         self.handles = {id(h.sink): h for h in handles}
+        self.position = {id(h.sink): i for i, h in enumerate(handles)}
+        self.at: int | None = None  # counting: the top-level equation being evaluated
+        self.reads: dict[int, list[int]] = collections.defaultdict(list)  # by position
+        self._positions: dict[int, int] = {}  # counting: key -> handle position
         self.prefetch, self.shared, self.counting = prefetch, shared, counting
         self.policy = policy
         self.uses: collections.Counter[int] = collections.Counter()
         self._keys = itertools.count()
+
+    def entering(self, index: int) -> None:
+        """Counting: the top-level equation ``index`` is evaluated next."""
+        self.at = index
 
     def nested(self) -> _Gathering:
         """The rules for a loop body: the same options, nothing gathered per use."""
@@ -122,7 +167,11 @@ class _Gathering(Rules):
     def read(self, x: Any, atom: Any = None) -> Any:
         del atom
         if self.counting and is_lazy(x):
-            self.uses.update(b.key for b in (x.bases if isinstance(x, Derived) else [x]))
+            keys = [b.key for b in (x.bases if isinstance(x, Derived) else [x])]
+            self.uses.update(keys)
+            for k in keys:
+                if k in self._positions:
+                    self.reads[self._positions[k]].append(self.at)
         if isinstance(x, Derived):
             return x.value()
         return x.full() if isinstance(x, Deferred) else x  # first use: gathered here
@@ -150,6 +199,9 @@ class _Gathering(Rules):
         if self.shared is None:  # a loop body: a layer indexed from a stack (a fori_loop's
             return Deferred(handle, per_use=parent is not None)  # w[i]) gathered at its use
         key = next(self._keys)
+        if self.counting and id(handle.sink) in self.position:
+            self._positions[key] = self.position[id(handle.sink)]
+            self.reads[-1].append(self.at)  # where the gathers are: before any layer
         return Deferred(handle, key=key, per_use=key not in self.shared)
 
     def _indexed(self, eqn: Equation, values: list[Any]) -> Deferred | None:

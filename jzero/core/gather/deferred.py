@@ -131,15 +131,29 @@ def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any]) -> list[An
     static = [is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)]
     if all(static):
         return [Derived(eqn, values, k) for k in range(len(eqn.outputs))]
+    return gathered_at(lambda inputs: bind_in_context(eqn, inputs), values, static, read)
+
+
+def gathered_at(
+    fn: Callable[[list[Any]], list[Any]],
+    values: list[Any],
+    static: list[bool],
+    read: Callable[[Any], Any],
+    policy: Callable[..., Any] | None = None,
+) -> list[Any]:
+    """``fn(values)`` as a :func:`jzero.remat_layer` (with ``policy``) that gathers the
+    parameters of the lazy values among them inside, forward and again in backward.
+    ``static``: which values are lazy or constants (computed inside, never passed); the
+    others are ``read`` and passed in."""
     bases = _bases(values)
     given = [i for i, s in enumerate(static) if not s]
 
     def region(full_params: list, *args: Any) -> list:
         full = {id(b): p for b, p in zip(bases, full_params)}
-        inputs = [value_from(x, full) for x in values]
+        inputs = [value_from(x, full) if s else None for x, s in zip(values, static)]
         for i, a in zip(given, args):
             inputs[i] = a
-        return bind_in_context(eqn, inputs)
+        return fn(inputs)
 
-    layer = remat_layer(region)
+    layer = remat_layer(region, policy=policy)
     return layer([b.handle for b in bases], *(read(values[i]) for i in given))

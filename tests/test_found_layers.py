@@ -1,0 +1,120 @@
+"""Finding an unrolled model's repeated layers from its parameters (``core/gather/layers.py``)
+and the spans of the loss they are recomputed in under ``StepOptions(remat_policy=...)``,
+at the seams: buckets, hpZ, gradient accumulation, a parameter shared by every layer.
+What the recomputation saves is measured on models big enough to show it
+(``test_unrolled_stage3.py``, ``test_vendored_models.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import reference, regression_batches
+
+import jzero
+from jzero.core.gather.layers import layer_gaps, layer_of
+
+
+def paths_of(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [p for p, _ in leaves], [tuple(x.shape) for _, x in leaves]
+
+
+def z(*shape):
+    return jnp.zeros(shape)
+
+
+def test_numbered_siblings_with_equal_subtrees_are_layers():
+    linen = {"Embed_0": {"e": z(9, 4)}, "blocks_0": {"w": z(4, 4)}, "blocks_1": {"w": z(4, 4)}}
+    assert layer_of(*paths_of(linen)) == [None, 0, 1]
+    listed = {"head": z(4, 2), "layers": [{"a": z(4, 8), "b": z(8, 4)}] * 3}
+    assert layer_of(*paths_of(listed)) == [None, 0, 0, 1, 1, 2, 2]
+
+
+def test_the_group_covering_most_leaves_wins_over_nested_repeats():
+    block = {"LayerNorm_0": {"s": z(4)}, "LayerNorm_1": {"s": z(4)}, "Dense_0": {"k": z(4, 8)}}
+    model = {"block_0": block, "block_1": block}
+    assert layer_of(*paths_of(model)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_siblings_of_other_shapes_are_not_layers():
+    # Dense_0 (4x8) and Dense_1 (8x4) are numbered alike but are not repeats of one layer.
+    assert layer_of(*paths_of({"Dense_0": {"k": z(4, 8)}, "Dense_1": {"k": z(8, 4)}})) == [
+        None,
+        None,
+    ]
+
+
+def test_gaps_between_layers_read_in_turn():
+    layers = [None, 0, 0, 1, 1]  # embed, then two layers of two leaves
+    reads = {0: [3], 1: [5], 2: [7], 3: [9], 4: [12], -1: [0]}
+    assert layer_gaps(layers, reads, 20) == [(4, 5), (8, 9), (13, 20)]
+
+
+def test_no_gaps_when_layers_interleave_or_a_parameter_is_read_between_them():
+    assert layer_gaps([0, 1], {0: [3, 9], 1: [5]}, 20) == []  # layer 0 read after layer 1
+    assert layer_gaps([0, 1, None], {0: [3], 1: [9], 2: [6]}, 20) == []  # shared, between
+    assert layer_gaps([0, 1], {0: [3]}, 20) == []  # layer 1 never read
+
+
+D, H, L, B = 16, 32, 4, 16
+RECOMPUTE = jax.checkpoint_policies.nothing_saveable
+
+
+def params():
+    keys = jax.random.split(jax.random.key(1), 2 * L)
+    return {
+        "layers": [
+            {
+                "w1": jax.random.normal(keys[2 * i], (D, H)) / 4,
+                "w2": jax.random.normal(keys[2 * i + 1], (H, D)) / 6,
+            }
+            for i in range(L)
+        ],
+        "shared": jnp.ones((D,)),
+    }
+
+
+def loss(p, batch):
+    x = batch["x"]
+    for layer in p["layers"]:
+        x = x + jnp.tanh(x @ layer["w1"]) @ layer["w2"]
+    return jnp.mean((x * p["shared"] - batch["y"]) ** 2)
+
+
+def shared_in_every_layer(p, batch):  # a parameter read by every layer: no spans
+    x = batch["x"]
+    for layer in p["layers"]:
+        x = x * p["shared"] + jnp.tanh(x @ layer["w1"]) @ layer["w2"]
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+SEAMS = {
+    "plain": ({}, {}),
+    "bucket": ({"comm": jzero.Communication(bucket=True)}, {}),
+    "hpz": ({"comm": jzero.Communication(hpz=2)}, {}),
+    "grad_accum": ({}, {"grad_accum": 2}),
+    "shared_in_every_layer": ({}, {}),
+}
+
+
+@pytest.mark.parametrize("seam", sorted(SEAMS))
+def test_recomputed_layers_match_single_device_optax(seam):
+    opt_kw, step_kw = SEAMS[seam]
+    fn = shared_in_every_layer if seam == "shared_in_every_layer" else loss
+    tx = optax.adam(1e-2, eps=1e-4)
+    opt = jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=3, min_shard_size=1, **opt_kw)
+    state = opt.init(params())
+    step = opt.train_step(fn, jzero.StepOptions(remat_policy=RECOMPUTE, **step_kw))
+    batches = regression_batches(3, B, D)
+    ref = reference(tx, params(), fn, batches)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
