@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from _models import reference, regression_batches
+from test_remat_policy import _dot_flops
 
 import jzero
 from jzero.core.gather.layers import layer_gaps, layer_of
@@ -98,13 +99,18 @@ SEAMS = {
     "hpz": ({"comm": jzero.Communication(hpz=2)}, {}),
     "grad_accum": ({}, {"grad_accum": 2}),
     "shared_in_every_layer": ({}, {}),
+    "checkpointed_layers": ({}, {}),
 }
 
 
 @pytest.mark.parametrize("seam", sorted(SEAMS))
 def test_recomputed_layers_match_single_device_optax(seam):
     opt_kw, step_kw = SEAMS[seam]
-    fn = shared_in_every_layer if seam == "shared_in_every_layer" else loss
+    fn = {
+        "shared_in_every_layer": shared_in_every_layer,
+        "checkpointed_layers": checkpointed_layers,
+    }
+    fn = fn.get(seam, loss)
     tx = optax.adam(1e-2, eps=1e-4)
     opt = jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=3, min_shard_size=1, **opt_kw)
     state = opt.init(params())
@@ -118,3 +124,28 @@ def test_recomputed_layers_match_single_device_optax(seam):
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def checkpointed_layers(p, batch):  # the model's own layers: checkpoints keeping everything
+    block = jax.checkpoint(
+        lambda layer, x: x + jnp.tanh(x @ layer["w1"]) @ layer["w2"],
+        policy=jax.checkpoint_policies.everything_saveable,
+    )
+    x = batch["x"]
+    for layer in p["layers"]:
+        x = block(layer, x)
+    return jnp.mean((x * p["shared"] - batch["y"]) ** 2)
+
+
+def test_layers_of_the_models_own_are_not_wrapped_again():
+    # Each jax.checkpoint is its own remat_layer already, with its own policy (here: keep
+    # everything, recompute nothing); a found layer around it would recompute it with the
+    # step's policy instead. The step's policy changes nothing here.
+    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=3, min_shard_size=1)
+    state, batch = opt.init(params()), regression_batches(1, B, D)[0]
+    hlo = lambda options: (
+        opt.train_step(checkpointed_layers, options).lower(state, batch).compile().as_text()
+    )
+    assert _dot_flops(hlo(jzero.StepOptions(remat_policy=RECOMPUTE))) == _dot_flops(
+        hlo(jzero.StepOptions())
+    )

@@ -100,6 +100,8 @@ def _layers(params: Any) -> list[int | None]:
 
 def _spans(traced: Any, layers: list[int | None], reads: dict) -> list[tuple[int, int]]:
     """Each repeated layer's equations (:mod:`.layers`), cut where the fewest bytes cross."""
+    if not reads:
+        return []
     gaps = layer_gaps(layers, reads, len(equations(traced)))
     if gaps:  # the first layer starts after the (deferred) gathers
         gaps[0] = (max(gaps[0][0], max(reads[-1]) + 1), gaps[0][1])
@@ -111,7 +113,8 @@ def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dic
     """What a dry run (traced, then dropped) of ``traced`` finds: the keys
     (:attr:`Deferred.key`) of the deferred parameters used more than once outside loops
     and checkpoints, and by handle position the top-level equations that read each
-    (position -1: the gathers themselves)."""
+    (position -1: the gathers themselves); none if a scan or checkpoint takes deferred
+    parameters: the model has layers of its own, and the policy acts there alone."""
     found = []
 
     def dry(params: Any, *args: Any) -> list:
@@ -122,7 +125,7 @@ def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dic
     jax.make_jaxpr(dry)(params, *args)
     rules = found[0]
     shared = frozenset(k for k, n in rules.uses.items() if n > 1)
-    return shared, dict(rules.reads)
+    return shared, {} if rules.own_layers else dict(rules.reads)
 
 
 class _Gathering(Rules):
@@ -151,6 +154,7 @@ class _Gathering(Rules):
         self.at: int | None = None  # counting: the top-level equation being evaluated
         self.reads: dict[int, list[int]] = collections.defaultdict(list)  # by position
         self._positions: dict[int, int] = {}  # counting: key -> handle position
+        self.own_layers = False  # counting: a scan or checkpoint takes deferred parameters
         self.prefetch, self.shared, self.counting = prefetch, shared, counting
         self.policy = policy
         self.uses: collections.Counter[int] = collections.Counter()
@@ -184,6 +188,7 @@ class _Gathering(Rules):
         if eqn.kind is Kind.CALL:
             return run(eqn.call(), values, self)
         if self.counting and eqn.kind in (Kind.SCAN, Kind.REMAT):
+            self.own_layers = True  # the model has layers of its own (scans, checkpoints)
             return None  # each deferred input read: one use
         if eqn.kind is Kind.SCAN:
             return _scan(eqn.scan(values), self)
