@@ -6,7 +6,7 @@
     python examples/train_lm.py --checkpoint-dir runs/ckpt --save-every 100
     python examples/train_lm.py --checkpoint-dir runs/ckpt --resume     # after an interruption
     bash scripts/launch_local.sh 2 python examples/train_lm.py            # 2 processes x 4 CPUs
-    python examples/train_lm.py --offload --grad-quant int8   # ZeRO-Offload + ZeRO++ qgZ
+    python examples/train_lm.py --offload host --grad-quant int8   # ZeRO-Offload + ZeRO++ qgZ
     python examples/train_lm.py --deepspeed-config examples/deepspeed/zero2_fp16.json
 
 Without a GPU/TPU the script forces ``--cpu-devices`` CPU devices (default 8) so that the
@@ -25,8 +25,12 @@ With ``--checkpoint-dir`` it saves a :class:`jzero.Checkpointer` checkpoint ever
 (at any stage or device count) exactly where it was: step, data position and loss curve.
 
 ``--offload`` keeps the sharded optimizer state and fp32 master weights in pinned host
-memory (``ZeroOptimizer(offload="optimizer")``), ``--grad-quant int8|int4`` reduce-scatters
-the gradients quantized (``Communication(grad_quant=...)``, ZeRO++ qgZ); both need stage 1-3.
+memory, streamed through the device for the update (``Offload(optimizer="stream")``, also
+``--offload stream``); ``--offload host`` runs the update on the host instead (ZeRO-Offload's
+split, ``Offload(optimizer="host")``); ``--offload-params`` keeps stage 3's parameter shards
+there too (ZeRO-Infinity's parameter offload, ``Offload(params=True)``). ``--grad-quant
+int8|int4`` reduce-scatters the gradients quantized (``Communication(grad_quant=...)``,
+ZeRO++ qgZ). The offloads and ``--grad-quant`` need stage 1-3 (``--offload-params``: 3).
 
 With ``--deepspeed-config PATH`` a DeepSpeed JSON config (``jzero.from_deepspeed_config``)
 sets the stage, the precision (gradient quantization included), the offload, the optimizer
@@ -84,6 +88,7 @@ DEEPSPEED_FLAGS = {
     "stage": "zero_optimization.stage",
     "precision": '"fp16" / "bf16"',
     "offload": "zero_optimization.offload_optimizer",
+    "offload_params": "zero_optimization.offload_param",
     "grad_quant": "zero_optimization.zero_quantized_gradients",
     "lr": '"optimizer" / "scheduler"',
     "batch_size": "train_batch_size / train_micro_batch_size_per_gpu",
@@ -116,9 +121,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=positive_int, default=1, help="K micro-batches per step")
     p.add_argument(
         "--offload",
-        action="store_true",
+        nargs="?",
+        const="stream",
+        choices=["stream", "host"],
         help="keep the sharded optimizer state and fp32 master weights in pinned host memory "
-        "(ZeRO-Offload; stages 1-3)",
+        "(stages 1-3): stream (the default) copies them through the device for the update, "
+        "host runs the update on the host (ZeRO-Offload)",
+    )
+    p.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="keep stage 3's parameter shards in pinned host memory too, copied in at each "
+        "gather (ZeRO-Infinity's parameter offload; stage 3)",
     )
     p.add_argument(
         "--grad-quant",
@@ -191,7 +205,8 @@ def make_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="a DeepSpeed JSON config (e.g. examples/deepspeed/zero2_fp16.json); it replaces "
-        "--stage, --precision, --offload, --grad-quant, --lr (with its optimizer/scheduler), "
+        "--stage, --precision, --offload, --offload-params, --grad-quant, --lr (with its "
+        "optimizer/scheduler), "
         "--batch-size and --grad-accum (with its batch sizes)",
     )
     return p
@@ -209,7 +224,7 @@ def apply_deepspeed_config(parser, args, argv, n_devices: int):
         batch = ds.batch_sizes(data_parallel_size=n_devices) if has_batch else None
     except (OSError, ValueError) as e:
         parser.error(f"--deepspeed-config {path}: {e}")
-    sets = {"stage", "precision", "offload", "grad_quant"}
+    sets = {"stage", "precision", "offload", "offload_params", "grad_quant"}
     sets |= {"lr"} if ds.learning_rate is not None else set()
     sets |= {"batch_size", "grad_accum"} if has_batch else set()
     sets |= {"grad_accum"} if ds.grad_accum is not None else set()
@@ -222,7 +237,9 @@ def apply_deepspeed_config(parser, args, argv, n_devices: int):
             f"{flag} and --deepspeed-config both set it ({DEEPSPEED_FLAGS[name]} in {path}); "
             f"drop {flag} or edit the config"
         )
-    args.stage, args.offload = ds.stage, ds.offload is not None
+    args.stage = ds.stage
+    args.offload = ds.offload.optimizer if ds.offload is not None else None
+    args.offload_params = ds.offload is not None and ds.offload.params
     args.grad_quant = ds.comm.grad_quant
     args.precision = {"float16": "fp16", "bfloat16": "bf16"}.get(
         ds.precision.param_dtype.name, "fp32"
@@ -248,7 +265,9 @@ def make_optimizer(args, mesh, ds=None):
     )
     if ds is None:
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-        offload = "optimizer" if args.offload else None
+        offload = None
+        if args.offload or args.offload_params:
+            offload = jzero.Offload(optimizer=args.offload, params=args.offload_params)
         comm = jzero.Communication(grad_quant=args.grad_quant)
         opt = jzero.ZeroOptimizer(
             tx, mesh, stage=args.stage, precision=run_precision(args), comm=comm, offload=offload
@@ -285,10 +304,11 @@ def layout_summary(state: jzero.ZeroState) -> str:
     o_sharded = sum(lay.sharded for lay in plan.opt_layouts)
     mib = lambda b: f"{b / 2**20:.2f} MiB"
     where = " in pinned host memory" if plan.offloads else ""
+    params_where = " in pinned host memory" if plan.offloads_params else ""
     return (
         f"stage {plan.stage} on {plan.data_size} devices: "
         f"params {p_sharded}/{len(plan.layouts)} leaves sharded, "
-        f"{mib(tree_bytes_per_device(state.params))} per device; "
+        f"{mib(tree_bytes_per_device(state.params))} per device{params_where}; "
         f"optimizer state {o_sharded}/{len(plan.opt_layouts)} leaves sharded, "
         f"{mib(tree_bytes_per_device(state.opt_state))} per device{where}"
     )
@@ -537,6 +557,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--offload needs --stage 1, 2 or 3: at stage 0 every device holds the whole "
             "optimizer state"
+        )
+    if args.stage != 3 and args.offload_params:
+        parser.error(
+            f"--offload-params needs --stage 3: at stage {args.stage} every device holds the "
+            "whole parameters, and only stage 3's shards can rest in host memory"
         )
     if args.stage == 0 and args.grad_quant is not None:
         parser.error(

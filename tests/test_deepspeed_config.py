@@ -634,6 +634,11 @@ def test_main_job_trains_with_example_config(name, tmp_path, capsys):
             "--offload and --deepspeed-config both set it (zero_optimization.offload_optimizer in ",
         ),
         (
+            ["--offload-params"],
+            "--offload-params and --deepspeed-config both set it "
+            "(zero_optimization.offload_param in ",
+        ),
+        (
             ["--grad-quant", "int8"],
             "--grad-quant and --deepspeed-config both set it "
             "(zero_optimization.zero_quantized_gradients in ",
@@ -678,7 +683,12 @@ def test_main_job_takes_offload_and_gradient_quantization_from_the_config(tmp_pa
     args = parser.parse_args(argv)
     with pytest.warns(DeepSpeedConfigWarning):
         ds = train_lm.apply_deepspeed_config(parser, args, argv, jax.device_count())
-    assert (args.stage, args.offload, args.grad_quant) == (3, True, "int8")
+    assert (args.stage, args.offload, args.offload_params, args.grad_quant) == (
+        3,
+        "host",
+        False,
+        "int8",
+    )
     opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
     assert (opt.stage, opt.offload, opt.precision) == (3, OFFLOAD, ds.precision)
     assert opt.comm.grad_quant == "int8"
@@ -1169,3 +1179,17 @@ def test_adam_w_mode_false_with_adamw_is_warned():
     assert noted(record) == ["optimizer.params.adam_w_mode"]
     want = run_updates(optax.adamw(1e-3, weight_decay=0.1))  # decoupled all the same
     jax.tree.map(np.testing.assert_array_equal, run_updates(ds.tx), want)
+
+
+def test_main_job_takes_parameter_offload_from_the_config(tmp_path):
+    cfg = example("zero3_offload")
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    parser, argv = train_lm.make_parser(), ["--deepspeed-config", str(path)]
+    args = parser.parse_args(argv)
+    with pytest.warns(DeepSpeedConfigWarning):
+        ds = train_lm.apply_deepspeed_config(parser, args, argv, jax.device_count())
+    assert (args.stage, args.offload, args.offload_params) == (3, "host", True)
+    opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
+    assert opt.offload == jzero.Offload(optimizer="host", params=True)

@@ -265,6 +265,17 @@ def test_estimate_counts_the_host_bytes_the_live_state_holds():
     assert both.host_bytes == (2 + 12) * psi / 8  # master counted once, in K
     rep = jzero.report(opt.train_step(_scan_loss), state, stacked_batch())
     assert rep.bytes_by_memory_kind == {"device": shard(state.opt_state), HOST: on_host}
+    assert rep.params_bytes_by_memory_kind == {HOST: shard(state.params)}
+    # Printed under each state: the parameters' host bytes, then the optimizer state's
+    # (its Optax state on the device, its master weights on the host).
+    lines = str(rep).splitlines()
+    at = lambda name: next(i for i, line in enumerate(lines) if line.startswith(name))
+    assert lines[at("params") + 1].split() == ["in", HOST, f"{shard(state.params):,}"]
+    opt_rows = lines[at("optimizer state") + 1 : at("model states")]
+    assert [r.split() for r in opt_rows] == [
+        ["in", "device", f"{shard(state.opt_state):,}"],
+        ["in", HOST, f"{shard(state.master):,}"],
+    ]
 
 
 def test_estimate_refuses_parameter_offload_below_stage_3():

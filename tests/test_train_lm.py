@@ -230,6 +230,11 @@ def test_trend_says_what_happened(first, last, line):
             "optimizer state",
         ),
         (
+            ["--stage", "2", "--offload-params"],
+            "--offload-params needs --stage 3: at stage 2 every device holds the whole "
+            "parameters, and only stage 3's shards can rest in host memory",
+        ),
+        (
             ["--stage", "0", "--grad-quant", "int4"],
             "--grad-quant int4 needs --stage 1, 2 or 3: it quantizes their gradient "
             "reduce-scatter, and stage 0 all-reduces",
@@ -247,34 +252,56 @@ def test_train_lm_refuses_bad_flags_up_front(tmp_path, capsys, args, error):
 @pytest.mark.parametrize(
     ("flags", "offload", "grad_quant"),
     [
-        ([], None, None),
-        (["--offload"], "stream", None),
-        (["--grad-quant", "int4", "--precision", "bf16"], None, "int4"),
-        (["--stage", "1", "--offload", "--grad-quant", "int8"], "stream", "int8"),
+        ([], jzero.Offload(), None),
+        (["--offload"], jzero.Offload(optimizer="stream"), None),
+        (["--offload", "host"], jzero.Offload(optimizer="host"), None),
+        (["--stage", "3", "--offload-params"], jzero.Offload(params=True), None),
+        (
+            ["--stage", "3", "--offload", "host", "--offload-params"],
+            jzero.Offload(optimizer="host", params=True),
+            None,
+        ),
+        (["--grad-quant", "int4", "--precision", "bf16"], jzero.Offload(), "int4"),
+        (
+            ["--stage", "1", "--offload", "--grad-quant", "int8"],
+            jzero.Offload(optimizer="stream"),
+            "int8",
+        ),
     ],
 )
 def test_train_lm_flags_build_the_optimizer(flags, offload, grad_quant):
     args = train_lm.make_parser().parse_args(flags)
     opt, _ = train_lm.make_optimizer(args, jzero.data_mesh())
-    assert (opt.stage, opt.offload.optimizer) == (args.stage, offload)
+    assert (opt.stage, opt.offload) == (args.stage, offload)
     precision = train_lm.PRECISIONS[args.precision]
     assert opt.precision == precision and opt.comm == jzero.Communication(grad_quant=grad_quant)
 
 
-def test_train_lm_script_runs_with_the_optimizer_offloaded(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("flags", "params_where"),
+    [
+        (["--stage", "2", "--offload"], ""),
+        (["--stage", "3", "--offload", "host", "--offload-params"], " in pinned host memory"),
+    ],
+)
+def test_train_lm_script_runs_with_the_optimizer_offloaded(flags, params_where, tmp_path, capsys):
     steps = 3
-    argv = [*TINY, "--stage", "2", "--offload", "--steps", str(steps), "--eval-every", "3"]
+    argv = [*TINY, *flags, "--steps", str(steps), "--eval-every", "3"]
     argv += ["--verbose"]  # the layout and jzero.report
     with standard():
         assert train_lm.main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    layout = re.search(r"^stage 2 on 8 devices: .*optimizer state .* per device(.*)$", out, re.M)
-    assert layout.group(1) == " in pinned host memory"
-    # jzero.report: every byte of the optimizer state is in host memory.
-    opt_bytes = re.search(r"^optimizer state +([\d,]+)$", out, re.M).group(1)
-    assert re.search(r"^  in pinned_host +([\d,]+)$", out, re.M).group(1) == opt_bytes
+    layout = re.search(
+        r"^stage \d on 8 devices: .* per device(.*); optimizer state .* per device(.*)$", out, re.M
+    )
+    assert layout.groups() == (params_where, " in pinned host memory")
+    # jzero.report: every byte of the optimizer state is in host memory (and of the
+    # parameters, with --offload-params).
+    for state in ("optimizer state", "params") if params_where else ("optimizer state",):
+        row = re.search(rf"^{state} +([\d,]+)\n  in pinned_host +([\d,]+)$", out, re.M)
+        assert row.group(1) == row.group(2), state
     log = (tmp_path / "train.log").read_text()
-    assert "'offload': True" in log
+    assert f"'offload': '{flags[3] if len(flags) > 3 else 'stream'}'" in log
     losses = [float(x) for x in re.findall(r"step \d+ loss (\S+)", log)]
     assert len(losses) == steps and all(np.isfinite(losses))
 

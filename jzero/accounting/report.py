@@ -93,6 +93,8 @@ class Report:
         bytes_by_memory_kind: the live parameters, optimizer state and master weights
             per device by the memory kind they rest in (``'device'``; ``'pinned_host'``
             for an offloaded optimizer's state and master weights).
+        params_bytes_by_memory_kind: the parameters' part of ``bytes_by_memory_kind``
+            (``'pinned_host'`` for stage 3's offloaded parameter shards).
         hpz: the step's secondary partition size G (``Communication.hpz``), or None. With
             it, the traffic within the 'data' axis is split into ``'data(across)'`` (the
             collectives among the devices at one position of every group of G) and
@@ -119,6 +121,7 @@ class Report:
     comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     theory_comm_bytes_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_by_memory_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    params_bytes_by_memory_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     hpz: int | None = None
     secondary_bytes: float = 0.0
 
@@ -172,14 +175,21 @@ class Report:
         )
         states, theory_states = self.model_state_bytes, self.theory_model_state_bytes
         comm = self.comm_bytes["total"]
+        in_params = self.params_bytes_by_memory_kind
+        in_opt = {k: b - in_params.get(k, 0) for k, b in self.bytes_by_memory_kind.items()}
+        kinds = lambda by_kind: (  # offloaded: where the states rest
+            [row(f"  in {k}", by_kind[k]) for k in sorted(by_kind, key=_device_first) if by_kind[k]]
+            if set(by_kind) - {"device"}
+            else []
+        )
         rows = [
             ("per device", "measured", "theory", "ratio"),
             row("params", self.params_bytes),
+            *kinds(in_params),
             row("grads (from plan)", self.grads_bytes),
             row("optimizer state", self.opt_bytes),
+            *kinds(in_opt),
         ]
-        if set(self.bytes_by_memory_kind) - {"device"}:  # offloaded: where the states rest
-            rows += [row(f"  in {k}", b) for k, b in self.bytes_by_memory_kind.items()]
         rows += [
             row("model states", states, theory_states, ratio(self.model_state_ratio)),
             row("peak (compiled)", self.peak_bytes),
@@ -216,6 +226,10 @@ class Report:
 
 def _shard_bytes(tree: Any) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def _device_first(kind: str) -> tuple[bool, str]:
+    return kind != "device", kind
 
 
 def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
@@ -317,6 +331,7 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         comm_bytes_by_axis=by_axis,
         theory_comm_bytes_by_axis=theory_comm,
         bytes_by_memory_kind=_bytes_by_memory_kind((state.params, state.opt_state, state.master)),
+        params_bytes_by_memory_kind=_bytes_by_memory_kind(state.params),
         hpz=hpz,
         secondary_bytes=param_total / hpz if hpz else 0.0,
     )
