@@ -674,24 +674,32 @@ def test_main_job_refuses_a_config_that_does_not_fit(tmp_path, capsys):
     )
 
 
-def test_main_job_takes_offload_and_gradient_quantization_from_the_config(tmp_path):
+def _main_job_args(zero: dict, tmp_path):
+    """train_lm's flags and optimizer from the zero3_offload example with ``zero`` added."""
     cfg = example("zero3_offload")
-    cfg["zero_optimization"]["zero_quantized_gradients"] = True
+    cfg["zero_optimization"].update(zero)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
     parser, argv = train_lm.make_parser(), ["--deepspeed-config", str(path)]
     args = parser.parse_args(argv)
     with pytest.warns(DeepSpeedConfigWarning):
         ds = train_lm.apply_deepspeed_config(parser, args, argv, jax.device_count())
-    assert (args.stage, args.offload, args.offload_params, args.grad_quant) == (
-        3,
-        "host",
-        False,
-        "int8",
-    )
     opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
+    return args, opt, ds
+
+
+def test_main_job_takes_offload_and_gradient_quantization_from_the_config(tmp_path):
+    args, opt, ds = _main_job_args({"zero_quantized_gradients": True}, tmp_path)
+    flags = (args.stage, args.offload, args.offload_params, args.grad_quant)
+    assert flags == (3, "host", False, "int8")
     assert (opt.stage, opt.offload, opt.precision) == (3, OFFLOAD, ds.precision)
     assert opt.comm.grad_quant == "int8"
+
+
+def test_main_job_takes_parameter_offload_from_the_config(tmp_path):
+    args, opt, _ = _main_job_args({"offload_param": {"device": "cpu"}}, tmp_path)
+    assert (args.stage, args.offload, args.offload_params) == (3, "host", True)
+    assert opt.offload == jzero.Offload(optimizer="host", params=True)
 
 
 # ------------------------------------------------------------------ offload and ZeRO++
@@ -1179,17 +1187,3 @@ def test_adam_w_mode_false_with_adamw_is_warned():
     assert noted(record) == ["optimizer.params.adam_w_mode"]
     want = run_updates(optax.adamw(1e-3, weight_decay=0.1))  # decoupled all the same
     jax.tree.map(np.testing.assert_array_equal, run_updates(ds.tx), want)
-
-
-def test_main_job_takes_parameter_offload_from_the_config(tmp_path):
-    cfg = example("zero3_offload")
-    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(cfg))
-    parser, argv = train_lm.make_parser(), ["--deepspeed-config", str(path)]
-    args = parser.parse_args(argv)
-    with pytest.warns(DeepSpeedConfigWarning):
-        ds = train_lm.apply_deepspeed_config(parser, args, argv, jax.device_count())
-    assert (args.stage, args.offload, args.offload_params) == (3, "host", True)
-    opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), ds)
-    assert opt.offload == jzero.Offload(optimizer="host", params=True)
