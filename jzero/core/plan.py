@@ -193,13 +193,23 @@ class Plan:
         return jax.tree.unflatten(treedef, [self.sharding(s) for s in stored])
 
     def describe(self) -> str:
-        """A readable table: one row per parameter leaf with its layout."""
+        """A readable table: one row per parameter leaf with its layout; with offload, the
+        memory each leaf (and its master weights) rests in, and the optimizer state's."""
         paths = [jax.tree_util.keystr(k) for k, _ in _paths(self.params_def)]
-        rows = [("leaf", "shape", "shard dim", "stored", "pad", "spec")]
-        for path, lay in zip(paths, self.layouts):
+        offloaded = self.offloads or self.offloads_params
+        kind = lambda stored: stored.memory_kind or "device"
+        head = ("leaf", "shape", "shard dim", "stored", "pad", "spec")
+        extra = ("memory", "master memory") if self.master else ("memory",)
+        rows = [head + extra if offloaded else head]
+        for i, (path, lay) in enumerate(zip(paths, self.layouts)):
             dim = "-" if lay.dim is None else str(lay.dim)
-            rows.append((path, str(lay.shape), dim, str(lay.padded), str(lay.pad), str(lay.spec)))
-        return table(rows)
+            row = (path, str(lay.shape), dim, str(lay.padded), str(lay.pad), str(lay.spec))
+            kinds = (kind(self.params[i]),) + ((kind(self.master[i]),) if self.master else ())
+            rows.append(row + kinds if offloaded else row)
+        if not offloaded:
+            return table(rows)
+        opt_kinds = sorted({kind(s) for s in self.opt})
+        return f"{table(rows)}\noptimizer state in {', '.join(opt_kinds) or '-'}"
 
 
 def _named(mesh: Mesh, stored: Stored | P) -> NamedSharding:
