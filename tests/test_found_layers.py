@@ -7,6 +7,8 @@ What the recomputation saves is measured on models big enough to show it
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,7 @@ def params():
             for i in range(L)
         ],
         "shared": jnp.ones((D,)),
+        "scales": jnp.linspace(0.5, 1.5, L * D).reshape(L, D),
     }
 
 
@@ -84,6 +87,18 @@ def loss(p, batch):
     for layer in p["layers"]:
         x = x + jnp.tanh(x @ layer["w1"]) @ layer["w2"]
     return jnp.mean((x * p["shared"] - batch["y"]) ** 2)
+
+
+def derived_up_front(p, batch):  # every parameter transposed and reshaped before the layers
+    p = jax.tree.map(lambda w: w.T.reshape(w.T.shape[::-1]).reshape(w.T.shape).T, p)
+    return loss(p, batch)
+
+
+def stack_indexed_in_layers(p, batch):  # a stacked leaf indexed inside every layer
+    x = batch["x"]
+    for i, layer in enumerate(p["layers"]):
+        x = x * p["scales"][i] + jnp.tanh(x @ layer["w1"]) @ layer["w2"]
+    return jnp.mean((x - batch["y"]) ** 2)
 
 
 def shared_in_every_layer(p, batch):  # a parameter read by every layer: no spans
@@ -100,7 +115,10 @@ SEAMS = {
     "grad_accum": ({}, {"grad_accum": 2}),
     "shared_in_every_layer": ({}, {}),
     "checkpointed_layers": ({}, {}),
+    "derived_up_front": ({}, {}),
+    "stack_indexed_in_layers": ({}, {}),
 }
+NOTHING_FOUND = {"shared_in_every_layer", "stack_indexed_in_layers"}  # warned: policy unused
 
 
 @pytest.mark.parametrize("seam", sorted(SEAMS))
@@ -109,8 +127,9 @@ def test_recomputed_layers_match_single_device_optax(seam):
     fn = {
         "shared_in_every_layer": shared_in_every_layer,
         "checkpointed_layers": checkpointed_layers,
-    }
-    fn = fn.get(seam, loss)
+        "derived_up_front": derived_up_front,
+        "stack_indexed_in_layers": stack_indexed_in_layers,
+    }.get(seam, loss)
     tx = optax.adam(1e-2, eps=1e-4)
     opt = jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=3, min_shard_size=1, **opt_kw)
     state = opt.init(params())
@@ -118,9 +137,13 @@ def test_recomputed_layers_match_single_device_optax(seam):
     batches = regression_batches(3, B, D)
     ref = reference(tx, params(), fn, batches)
     losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    unused = [w for w in caught if "has no layer to act on" in str(w.message)]
+    assert len(unused) == (seam in NOTHING_FOUND), [str(w.message) for w in caught]
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
@@ -149,3 +172,28 @@ def test_layers_of_the_models_own_are_not_wrapped_again():
     assert _dot_flops(hlo(jzero.StepOptions(remat_policy=RECOMPUTE))) == _dot_flops(
         hlo(jzero.StepOptions())
     )
+
+
+def cast_up_front(p, batch):  # mixed precision by hand: every parameter cast to bf16
+    p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+    return loss(p, {**batch, "x": batch["x"].astype(jnp.bfloat16)})
+
+
+@pytest.mark.parametrize("fn", [cast_up_front, derived_up_front])
+def test_parameters_derived_up_front_are_recomputed_where_the_layers_use_them(fn):
+    # The casts and reshapes at the top of the loss are no layer's reads: each is derived
+    # again inside the layer that uses it. Recomputing then holds at most one layer's
+    # gathered weights more than keeping (a layer gathers its weights together, the
+    # default one weight at a time); taking the casts for the layers' reads held all.
+    big = {"layers": [{"w1": jnp.ones((256, 1024)), "w2": jnp.ones((1024, 256))}] * 8}
+    big["shared"], big["scales"] = jnp.ones((256,)), jnp.ones((8, 256))
+    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=3, min_shard_size=1)
+    state, batch = opt.init(big), regression_batches(1, 16, 256)[0]
+    temp = lambda options: (
+        (
+            opt.train_step(fn, options).lower(state, batch).compile().memory_analysis()
+        ).temp_size_in_bytes
+    )
+    kept, recomputed = temp(jzero.StepOptions()), temp(jzero.StepOptions(remat_policy=RECOMPUTE))
+    layer = sum(w.nbytes for w in jax.tree.leaves(big["layers"][0]))
+    assert recomputed <= kept + layer, (recomputed, kept, layer)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ from ...internal.equation import Equation, Remat, Scan, equations, only_indexed
 from ...internal.interpret import Rules, narrowest_cut, run, run_in_regions
 from ...internal.primitives import Kind
 from ..comm.collectives import Sharded, gather, gather_each, saves_no_gathered
-from .deferred import Deferred, Derived, gathered_at, is_lazy, use
+from .deferred import Deferred, Derived, derive, gathered_at, is_lazy, use
 from .layers import layer_gaps, layer_of
 from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
@@ -69,6 +70,8 @@ def gather_where_used(
         rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
         leaves = jax.tree.leaves((params, args))
         spans = [] if policy is None else _spans(traced, _layers(params), reads)
+        if policy is not None and not spans and reads is not None:
+            warnings.warn(_NOTHING_TO_RECOMPUTE, stacklevel=2)
         if not spans:
             out = run(traced, leaves, rules)
         else:  # an unrolled model's layers, each recomputed as the policy says
@@ -81,6 +84,17 @@ def gather_where_used(
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return call
+
+
+_NOTHING_TO_RECOMPUTE = (
+    "StepOptions(remat_policy=...) has no layer to act on in this loss: no lax.scan or "
+    "jax.checkpoint takes stage 3's parameters, and no repeated layers were found (numbered "
+    "siblings with equal subtrees -- blocks_0, blocks_1, ... or a list of layers -- whose "
+    "parameters are read one layer after another, with no other parameter read between "
+    "them). Backward keeps every activation, as with remat_policy=None. Wrap each layer in "
+    "jax.checkpoint (or use jzero.remat_layer with manual_gather=True, or layers= with the "
+    "Flax adapters), or leave remat_policy=None."
+)
 
 
 def _is_handle(x: Any) -> bool:
@@ -98,9 +112,9 @@ def _layers(params: Any) -> list[int | None]:
     return layer_of([p for p, _ in handles], [tuple(x.layout.shape) for _, x in handles])
 
 
-def _spans(traced: Any, layers: list[int | None], reads: dict) -> list[tuple[int, int]]:
+def _spans(traced: Any, layers: list[int | None], reads: dict | None) -> list[tuple[int, int]]:
     """Each repeated layer's equations (:mod:`.layers`), cut where the fewest bytes cross."""
-    if not reads:
+    if not reads:  # None: the model's own scans and checkpoints are its layers
         return []
     gaps = layer_gaps(layers, reads, len(equations(traced)))
     if gaps:  # the first layer starts after the (deferred) gathers
@@ -109,11 +123,11 @@ def _spans(traced: Any, layers: list[int | None], reads: dict) -> list[tuple[int
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dict[int, list]]:
+def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dict | None]:
     """What a dry run (traced, then dropped) of ``traced`` finds: the keys
     (:attr:`Deferred.key`) of the deferred parameters used more than once outside loops
     and checkpoints, and by handle position the top-level equations that read each
-    (position -1: the gathers themselves); none if a scan or checkpoint takes deferred
+    (position -1: the gathers themselves); None if a scan or checkpoint takes deferred
     parameters: the model has layers of its own, and the policy acts there alone."""
     found = []
 
@@ -125,7 +139,7 @@ def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dic
     jax.make_jaxpr(dry)(params, *args)
     rules = found[0]
     shared = frozenset(k for k, n in rules.uses.items() if n > 1)
-    return shared, {} if rules.own_layers else dict(rules.reads)
+    return shared, None if rules.own_layers else dict(rules.reads)
 
 
 class _Gathering(Rules):
@@ -171,11 +185,7 @@ class _Gathering(Rules):
     def read(self, x: Any, atom: Any = None) -> Any:
         del atom
         if self.counting and is_lazy(x):
-            keys = [b.key for b in (x.bases if isinstance(x, Derived) else [x])]
-            self.uses.update(keys)
-            for k in keys:
-                if k in self._positions:
-                    self.reads[self._positions[k]].append(self.at)
+            self._count(x)
         if isinstance(x, Derived):
             return x.value()
         return x.full() if isinstance(x, Deferred) else x  # first use: gathered here
@@ -196,9 +206,23 @@ class _Gathering(Rules):
             return _checkpoint(eqn.remat(), values)
         if (layer := self._indexed(eqn, values)) is not None:
             return [layer]
-        if eqn.first_order and not self.counting and any(map(is_lazy, values)):
-            return use(eqn, values, self.read)
+        if eqn.first_order and any(map(is_lazy, values)):
+            if not self.counting:
+                return use(eqn, values, self.read)
+            if (derived := derive(eqn, values)) is not None:  # read where it is used
+                self.uses.update(x.key for x in values if isinstance(x, Deferred))
+                return derived
         return None
+
+    def _count(self, x: Deferred | Derived) -> None:
+        """Counting: ``x`` read by the current top-level equation (a use of a parameter
+        read directly; a derived value's uses were counted where it was derived)."""
+        bases = x.bases if isinstance(x, Derived) else [x]
+        if isinstance(x, Deferred):
+            self.uses.update(b.key for b in bases)
+        for b in bases:
+            if b.key in self._positions:
+                self.reads[self._positions[b.key]].append(self.at)
 
     def _deferred(self, handle: Sharded, parent: Deferred | None = None) -> Deferred:
         if self.shared is None:  # a loop body: a layer indexed from a stack (a fori_loop's
@@ -207,6 +231,8 @@ class _Gathering(Rules):
         if self.counting and id(handle.sink) in self.position:
             self._positions[key] = self.position[id(handle.sink)]
             self.reads[-1].append(self.at)  # where the gathers are: before any layer
+        elif self.counting and parent is not None and parent.key in self._positions:
+            self._positions[key] = self._positions[parent.key]  # x[i]: a read of x
         return Deferred(handle, key=key, per_use=key not in self.shared)
 
     def _indexed(self, eqn: Equation, values: list[Any]) -> Deferred | None:

@@ -128,10 +128,18 @@ def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any]) -> list[An
     parameters and what is derived from them are never saved; ``eqn``'s output is, by
     the step's policy); every other value is ``read`` and passed to it.
     """
+    if (derived := derive(eqn, values)) is not None:
+        return derived
     static = [is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)]
-    if all(static):
-        return [Derived(eqn, values, k) for k in range(len(eqn.outputs))]
     return gathered_at(lambda inputs: bind_in_context(eqn, inputs), values, static, read)
+
+
+def derive(eqn: Equation, values: list[Any]) -> list[Derived] | None:
+    """``eqn``'s outputs as :class:`Derived` values if ``eqn`` computes them from lazy
+    values and literals alone (a reshape, cast or transpose of a parameter), else None."""
+    if not all(is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)):
+        return None
+    return [Derived(eqn, values, k) for k in range(len(eqn.outputs))]
 
 
 def gathered_at(
