@@ -64,7 +64,8 @@ class StepOptions:
             recomputes the rest in backward, layer by layer, e.g.
             ``jax.checkpoint_policies.nothing_saveable``: each layer's forward again from
             its input (more FLOPs, less activation memory). A gathered parameter is never
-            kept, whatever the policy. Stage 3 without ``manual_gather`` only (with
+            kept, whatever the policy. A loss with neither (no scan, no checkpoint, no
+            repeated layers) gets a warning. Stage 3 without ``manual_gather`` only (with
             ``manual_gather``, give the policy to :func:`jzero.remat_layer`).
 
     Examples:
