@@ -89,8 +89,8 @@ def loss(p, batch):
     return jnp.mean((x * p["shared"] - batch["y"]) ** 2)
 
 
-def derived_up_front(p, batch):  # every parameter transposed, reshaped, scaled up front
-    p = jax.tree.map(lambda w: w.T.reshape(w.T.shape[::-1]).reshape(w.T.shape).T * 0.5, p)
+def derived_up_front(p, batch):  # every parameter transposed and reshaped before the layers
+    p = jax.tree.map(lambda w: w.T.reshape(w.T.shape[::-1]).reshape(w.T.shape).T, p)
     return loss(p, batch)
 
 

@@ -192,19 +192,6 @@ class Equation:
         its own (a call, loop, branch, checkpoint) and no custom differentiation rule."""
         return not self.subjaxprs and self.kind not in (Kind.CUSTOM_VJP, Kind.CUSTOM_JVP)
 
-    @property
-    def scalar_constant(self) -> bool:
-        """Whether it computes scalars from literals alone, with no effect (e.g. the
-        ``pvary`` of a Python number that ``shard_map`` inserts before ``w * 0.5``)."""
-        eqn = self.jaxpr_eqn
-        return (
-            self.first_order
-            and not self.variables
-            and bool(eqn.outvars)
-            and not eqn.effects
-            and all(getattr(v.aval, "shape", None) == () for v in eqn.outvars)
-        )
-
     # slice / dynamic_slice
 
     @property

@@ -193,8 +193,6 @@ class _Gathering(Rules):
     def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
         if eqn.kind is Kind.CUSTOM_VJP and (handle := self._gathered(eqn, values)) is not None:
             return [self._deferred(handle)]  # jzero.gather: deferred
-        if eqn.scalar_constant:  # a constant: computed where used (w * 0.5 stays derived)
-            return derive(eqn, values)
         if not any(isinstance(x, Deferred | Derived) for x in values):
             return None
         if eqn.kind is Kind.CALL:

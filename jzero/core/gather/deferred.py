@@ -123,16 +123,13 @@ def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any]) -> list[An
     """``eqn`` applied to ``values``, some of them lazy (:func:`is_lazy`).
 
     Computed from lazy values and literals alone, its outputs are :class:`Derived`.
-    Reading only constants among lazy values (a :class:`Derived` of no parameter), it is
-    bound as traced. Otherwise ``eqn`` is a use: a :func:`jzero.remat_layer` that gathers
-    the lazy values' parameters there and again in backward, keeping only its inputs (the gathered
+    Otherwise ``eqn`` is a use: a :func:`jzero.remat_layer` that gathers the lazy values'
+    parameters there and again in backward, keeping only its inputs (the gathered
     parameters and what is derived from them are never saved; ``eqn``'s output is, by
     the step's policy); every other value is ``read`` and passed to it.
     """
     if (derived := derive(eqn, values)) is not None:
         return derived
-    if not _bases(values):  # lazy values are constants alone: nothing to gather
-        return bind_in_context(eqn, [read(x) for x in values])
     static = [is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)]
     return gathered_at(lambda inputs: bind_in_context(eqn, inputs), values, static, read)
 
