@@ -7,8 +7,7 @@
 # jzero[dev]; only that install needs the network. Extra arguments go to sphinx-build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+bash scripts/venv.sh .venv  # a Python >= 3.12 (scripts/python.sh finds one)
 .venv/bin/python -m pip install -q -e '.[docs]'
 export JAX_PLATFORMS=cpu  # autodoc imports jzero; nothing touches an accelerator
 rm -rf docs/_build/html

@@ -6,7 +6,6 @@
 # Extra arguments go to examples/train_lm.py (e.g. --stage 2, --verbose, --out DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+bash scripts/venv.sh .venv  # a Python >= 3.12 (scripts/python.sh finds one)
 .venv/bin/python -m pip install -q -e '.[examples]'
 exec .venv/bin/python examples/train_lm.py "$@"

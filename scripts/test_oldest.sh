@@ -5,8 +5,7 @@
 # that name each JAX internal jzero relies on. scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv-oldest
-.venv-oldest/bin/python -m pip install -q --upgrade pip
+bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
 .venv-oldest/bin/python -m pip install -q -e '.[dev]' -c ci/oldest-pins.txt
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
     tests/test_versions.py tests/test_jax_internals.py tests/test_parity.py \

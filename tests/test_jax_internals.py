@@ -69,7 +69,7 @@ def test_module_attribute_exists(module, name):
 
 PRIMITIVES = {  # attribute of jax.extend.core.primitives -> the primitive's name
     "jit_p": "jit",
-    "closed_call_p": "closed_call",
+    "closed_call_p": "eval_jaxpr",  # named closed_call up to jax 0.10
     "remat_p": "remat2",
     "scan_p": "scan",
     "cond_p": "cond",
@@ -138,7 +138,7 @@ PARAMS = {  # primitive -> (a function whose jaxpr holds it, the parameters jzer
     "remat2": (jax.checkpoint(jnp.sin), ("jaxpr", "policy", "prevent_cse")),
     "scan": (
         lambda x: jax.lax.scan(lambda c, r: (c + r * x[0], c * r), 0.0, x),
-        ("jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"),
+        ("jaxpr", "ft_in", "length", "reverse", "unroll"),  # ft_in: (consts, carry, xs) trees
     ),
     "cond": (lambda x: jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x), ("branches",)),
     "while": (
@@ -170,9 +170,12 @@ def test_closed_call_takes_its_body_as_call_jaxpr():
     body = jax.make_jaxpr(jnp.sin)(X)
     try:
         params = primitives.closed_call_p.get_bind_params({"call_jaxpr": body})
-    except KeyError as e:
-        pytest.fail(_changed("closed_call's parameter 'call_jaxpr'", f"is gone ({e})"))
-    assert "call_jaxpr" not in params
+        out = primitives.closed_call_p.bind(X, **params)
+    except (KeyError, TypeError) as e:
+        pytest.fail(_changed("closed_call's (eval_jaxpr's) parameter 'call_jaxpr'", f"moved ({e})"))
+    np.testing.assert_array_equal(out[0], jnp.sin(X))
+    assert Equation(_eqn(lambda x: primitives.closed_call_p.bind(x, **params)[0], X,
+                         prim_name="eval_jaxpr").jaxpr_eqn).call().jaxpr.eqns  # fmt: skip
 
 
 def test_operand_orders_and_views():

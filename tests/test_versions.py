@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the dev extra installs tomli there
-    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 PINNED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "safetensors")

@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 from .findings import Findings
 
 REQUIRED = object()  # Key.default of a key that must be present
 AUTO = "auto"  # the Hugging Face Trainer's placeholder for a value it fills in
-T = TypeVar("T")
 
 
 def integer(value: Any) -> int:
@@ -114,7 +113,7 @@ class Unreadable(Exception):
     """A value was read whose problem is already listed in the findings."""
 
 
-def attempt(read: Callable[..., T], *args: Any) -> T | None:
+def attempt[T](read: Callable[..., T], *args: Any) -> T | None:
     """``read(*args)``, or None when it stopped at a value whose problem is already listed:
     the other readers go on, so one error names every problem."""
     try:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ..internal.moved import InternalMoved, refusal
 from ..internal.unbound_axes import vmapped_collectives
 from ..internal.vmap_axes import without_vma_checks
 from . import rng
@@ -99,6 +100,25 @@ def local_grads(
     return body
 
 
+_ALIAS_FIX = (
+    "name the model's batch axis 'data' (e.g. nn.BatchNorm(axis_name='data')) and drop "
+    "axis_name=, or install a JAX that jzero supports (pyproject.toml's range)"
+)
+_VMAP_FIX = (
+    "reduce over the vmapped dimension outside the vmap (e.g. jnp.mean of its result) "
+    "instead of a named collective inside it, or install a JAX that jzero supports"
+)
+
+
+def _reduces_over_own_vmap(loss_fn: Callable, args: tuple, axis_sizes: dict) -> bool:
+    """Whether ``loss_fn`` reduces over an axis its own ``jax.vmap`` binds; False where the
+    internals that tell have moved (the loss's own error then stands)."""
+    try:
+        return bool(vmapped_collectives(loss_fn, args, axis_sizes))
+    except InternalMoved:
+        return False
+
+
 def _varying(x: jax.Array, axes) -> jax.Array:
     """Differentiating a replicated input inside shard_map would psum its gradient
     implicitly; differentiate a varying copy instead and reduce explicitly."""
@@ -120,9 +140,15 @@ def _loss_caller(plan: Plan, loss_fn: Callable, options: StepOptions, aliases) -
     def user_loss(*args):
         try:
             return user_fn(*args)
+        except InternalMoved as moved:
+            raise refusal(f"StepOptions(axis_name={aliases!r})", moved, _ALIAS_FIX) from None
         except Exception as e:
-            if vmapped_collectives(loss_fn, args, axis_sizes):  # over its own vmap's axis
-                return without_vma_checks(user_fn)(*args)
+            if _reduces_over_own_vmap(loss_fn, args, axis_sizes):
+                try:
+                    return without_vma_checks(user_fn)(*args)
+                except InternalMoved as moved:
+                    raise refusal("a collective over the loss's own jax.vmap axis", moved,
+                                  _VMAP_FIX) from None  # fmt: skip
             explain_unknown_axis(e, loss_fn, args, axis_sizes)  # over an axis the step lacks
             raise
 

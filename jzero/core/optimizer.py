@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ..internal.primitives import warn_missing_primitives
 from .boxed import box_specs, has_boxes
 from .checks import (
     check_communication,
@@ -128,6 +129,7 @@ class ZeroOptimizer:
         self.comm.check_data_size(self.data_size)
         self.offload = as_offload(offload, moved)
         self.offload.check(mesh=mesh, stage=stage)
+        warn_missing_primitives()
 
     def plan(self, params: Any) -> Plan:
         """Where every leaf lives, for ``params`` (arrays or ``jax.ShapeDtypeStruct`` s).

@@ -12,19 +12,49 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax._src import distributed as _distributed
+
+from .moved import InternalMoved, warn_fallback
+
+try:
+    from jax._src import distributed as _distributed
+except ImportError:
+    _distributed = None
+
+_METHODS = ("key_value_set", "key_value_try_get", "key_value_dir_get")
 
 
 def _client() -> Any:
-    client = _distributed.global_state.client
+    client = _state_client()
     if client is None:
         raise RuntimeError("jax.distributed is not initialized: there is no key-value store.")
     return client
 
 
+def _state_client() -> Any:
+    """JAX's coordination client, None before ``jax.distributed.initialize``."""
+    state = getattr(_distributed, "global_state", None)
+    if state is None or not hasattr(state, "client"):
+        raise InternalMoved("jax._src.distributed.global_state.client")
+    client = state.client
+    missing = [m for m in _METHODS if client is not None and not hasattr(client, m)]
+    if missing:
+        raise InternalMoved(f"the coordination client's {missing}")
+    return client
+
+
 def is_available() -> bool:
-    """Whether this process is connected to a coordination service."""
-    return _distributed.global_state.client is not None
+    """Whether this process is connected to a coordination service whose key-value store
+    jzero can use (False, with a warning, where the internals it reads have moved)."""
+    try:
+        return _state_client() is not None
+    except InternalMoved as moved:
+        warn_fallback(
+            "jzero.distributed.bounded's progress exchange",
+            moved,
+            "the watchdog still stops a stalled step but cannot name the process that stalled",
+            "no memory (only the diagnosis)",
+        )
+        return False
 
 
 def put(key: str, value: str) -> None:

@@ -8,13 +8,14 @@ of a higher-order primitive's parts (:class:`Scan`, :class:`Cond`, :class:`While
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from .primitives import AXIS_PARAMS, Kind, api_name, kind, traced_varying_axes
+from .moved import InternalMoved, param
+from .primitives import AXIS_PARAMS, Kind, api_name, is_collective, kind, traced_varying_axes
 
 
 class Scan(NamedTuple):
@@ -76,6 +77,12 @@ class Equation:
         return f"Equation({self.jaxpr_eqn})"
 
     @property
+    def params(self) -> Mapping[str, Any]:
+        """The primitive's parameters, as jzero's readers see them (binding uses the
+        equation's own: :func:`.interpret.bind`)."""
+        return self.jaxpr_eqn.params
+
+    @property
     def kind(self) -> Kind:
         return kind(self.jaxpr_eqn.primitive)
 
@@ -115,8 +122,14 @@ class Equation:
         """The mesh axes a collective names, as its ``axes`` / ``axis_name`` parameter holds
         them (a name or a tuple; a reduction's ``axes`` are positions, ints); None for a
         primitive with neither parameter."""
-        params = self.jaxpr_eqn.params
-        return next((params[k] for k in AXIS_PARAMS if k in params), None)
+        params = self.params
+        found = next((params[k] for k in AXIS_PARAMS if k in params), None)
+        if found is None and is_collective(self.jaxpr_eqn.primitive):
+            raise InternalMoved(
+                f"{self.jaxpr_eqn.primitive.name}'s axes parameter {AXIS_PARAMS}",
+                f"is gone (it has {sorted(params)})",
+            )
+        return found
 
     @property
     def axis_names(self) -> frozenset:
@@ -127,6 +140,7 @@ class Equation:
 
     def renamed(self, rename: Callable[[Any], Any]) -> dict[str, Any]:
         """The parameters with every axes parameter ``p`` replaced by ``rename(p)``."""
+        self.axes  # noqa: B018 -- InternalMoved where a collective's axes parameter moved
         params = self.jaxpr_eqn.params
         return {k: rename(v) if k in AXIS_PARAMS else v for k, v in params.items()}
 
@@ -136,55 +150,64 @@ class Equation:
     def subjaxprs(self) -> tuple[ClosedJaxpr, ...]:
         """The jaxprs this equation's parameters hold (bodies, branches), closed."""
         out = []
-        for v in self.jaxpr_eqn.params.values():
+        for v in self.params.values():
             for j in v if isinstance(v, tuple | list) else (v,):
                 if isinstance(j, ClosedJaxpr | Jaxpr):
                     out.append(closed(j))
         return tuple(out)
 
+    def _param(self, name: str) -> Any:
+        return param(self.params, name, self.jaxpr_eqn.primitive.name)
+
     def call(self) -> ClosedJaxpr:
-        """A ``jit`` / ``closed_call`` equation's body: applied to its operands as they are."""
-        params = self.jaxpr_eqn.params
-        return closed(params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"])
+        """A ``jit`` / ``closed_call`` (``eval_jaxpr``) equation's body: applied to its
+        operands as they are."""
+        params = self.params
+        for key in ("jaxpr", "call_jaxpr"):
+            if key in params:
+                return closed(params[key])
+        name = self.jaxpr_eqn.primitive.name
+        raise InternalMoved(
+            f"{name}'s parameter 'jaxpr' / 'call_jaxpr'", f"is gone ({sorted(params)})"
+        )
 
     def remat(self) -> Remat:
-        params = self.jaxpr_eqn.params
-        return Remat(closed(params["jaxpr"]), params["policy"], params["prevent_cse"])
+        return Remat(
+            closed(self._param("jaxpr")), self._param("policy"), self._param("prevent_cse")
+        )
 
     def scan(self, operands: Sequence[Any]) -> Scan:
         """The scan's parts, ``operands`` (one per input, in order) split among them."""
-        p = self.jaxpr_eqn.params
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = _scan_counts(self.params, len(self.jaxpr_eqn.invars))
         operands = list(operands)
         return Scan(
             operands[:n_consts],
             operands[n_consts : n_consts + n_carry],
             operands[n_consts + n_carry :],
-            p["jaxpr"],
-            p["length"],
-            p["reverse"],
-            p["unroll"],
+            closed(self._param("jaxpr")),
+            self._param("length"),
+            self._param("reverse"),
+            self._param("unroll"),
         )
 
     def cond(self, operands: Sequence[Any]) -> Cond:
-        return Cond(operands[0], tuple(self.jaxpr_eqn.params["branches"]), list(operands[1:]))
+        return Cond(operands[0], tuple(self._param("branches")), list(operands[1:]))
 
     def while_loop(self, operands: Sequence[Any]) -> While:
-        p = self.jaxpr_eqn.params
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        nc, nb = self._param("cond_nconsts"), self._param("body_nconsts")
         operands = list(operands)
         return While(
             operands[:nc],
             operands[nc : nc + nb],
             operands[nc + nb :],
-            p["cond_jaxpr"],
-            p["body_jaxpr"],
+            closed(self._param("cond_jaxpr")),
+            closed(self._param("body_jaxpr")),
         )
 
     def custom_vjp_args(self, operands: Sequence[Any]) -> list:
         """A ``custom_vjp`` equation's operands without the constants JAX puts first: the
         arguments the user's function was called with, flattened."""
-        return list(operands[self.jaxpr_eqn.params["num_consts"] :])
+        return list(operands[self._param("num_consts") :])
 
     @property
     def first_order(self) -> bool:
@@ -201,7 +224,7 @@ class Equation:
         squeeze)."""
         if self.kind is not Kind.SLICE or not self.jaxpr_eqn.invars[0].aval.shape:
             return False
-        p, shape = self.jaxpr_eqn.params, self.jaxpr_eqn.invars[0].aval.shape
+        p, shape = self.params, self.jaxpr_eqn.invars[0].aval.shape
         if "slice_sizes" in p:  # dynamic_slice: operand, then one start per axis
             return tuple(p["slice_sizes"]) == (1, *shape[1:])
         start, limit, strides = p["start_indices"], p["limit_indices"], p["strides"]
@@ -214,7 +237,7 @@ class Equation:
         dynamic slice), or None when it does not."""
         if not self.takes_one_leading_index:
             return None
-        p = self.jaxpr_eqn.params
+        p = self.params
         return operands[1] if "slice_sizes" in p else p["start_indices"][0]
 
     # broadcast_in_dim
@@ -223,13 +246,29 @@ class Equation:
     def broadcasts_scalar(self) -> bool:
         """Whether a ``broadcast_in_dim`` broadcasts a scalar, with no sharding of its own."""
         eqn = self.jaxpr_eqn
-        return eqn.invars[0].aval.shape == () and eqn.params.get("sharding") is None
+        return eqn.invars[0].aval.shape == () and self.params.get("sharding") is None
 
     def broadcast_to(self, shape: Callable[[tuple[int, ...]], tuple[int, ...]]) -> dict:
         """A ``broadcast_in_dim``'s parameters with its result shape ``s`` replaced by
         ``shape(s)``."""
-        params = self.jaxpr_eqn.params
-        return {**params, "shape": shape(params["shape"])}
+        new = shape(param(self.params, "shape", "broadcast_in_dim"))
+        return {**self.jaxpr_eqn.params, "shape": new}
+
+
+def _scan_counts(params: Any, n_operands: int) -> tuple[int, int]:
+    """How many of a scan's operands are constants and how many the initial carry: read
+    from ``ft_in`` (jax >= 0.11: the operands' flat trees, ``(consts, carry, xs)``) or from
+    ``num_consts`` / ``num_carry`` (jax 0.10)."""
+    if "num_consts" in params and "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    ft_in = param(params, "ft_in", "scan")
+    try:
+        parts = [len(list(part)) for part in ft_in.update(list(range(n_operands))).unpack()]
+    except (AttributeError, TypeError, ValueError) as e:
+        raise InternalMoved("scan's parameter 'ft_in'", f"cannot be read ({e})") from None
+    if len(parts) != 3 or sum(parts) != n_operands:
+        raise InternalMoved("scan's parameter 'ft_in'", f"splits its operands as {parts}")
+    return parts[0], parts[1]
 
 
 def equations(jaxpr: ClosedJaxpr | Jaxpr) -> list[Equation]:

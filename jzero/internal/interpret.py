@@ -219,6 +219,22 @@ def rebind(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
     raise ValueError(f"rebind: {eqn.kind} is not one of {sorted(k.value for k in REBINDS)}.")
 
 
+class _InlineCalls(Rules):
+    def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
+        return run(eqn.call(), values, self) if eqn.kind is Kind.CALL else None
+
+
+def inline_calls(jaxpr: ClosedJaxpr | Jaxpr) -> ClosedJaxpr:
+    """``jaxpr`` traced again with every top-level and nested ``jit`` / ``closed_call``
+    replaced by its body's equations (jax >= 0.11 keeps a ``jax.jit(inline=True)`` call,
+    e.g. Optax's bias correction over the whole tree, as one equation; jax 0.10 inlined it
+    when tracing)."""
+    jaxpr = closed(jaxpr)
+    avals = [v.aval for v in jaxpr.jaxpr.invars]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    return jax.make_jaxpr(lambda *a: run(jaxpr, a, _InlineCalls()))(*specs)
+
+
 def _scan(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
     scan = eqn.scan(args)
     n_carry = len(scan.init)

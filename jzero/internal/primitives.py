@@ -12,10 +12,33 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax._src.core import ShapedArray, pvary_p  # pvary: the cast JAX adds before a psum
-from jax._src.lax.parallel import reduce_scatter_p  # psum_scatter's primitive
 from jax.extend.core import ClosedJaxpr, Literal, Primitive, Var
 from jax.extend.core import primitives as prims
+
+from .moved import InternalMoved, param, warn_fallback
+
+try:  # pvary: the cast JAX adds before a psum; ShapedArray: the type that holds .mat
+    from jax._src.core import ShapedArray, pvary_p
+except ImportError:  # moved: nothing is a pvary, and no value is seen varying
+    ShapedArray, pvary_p = (), None
+try:  # psum_scatter's primitive; what psum / all_gather bind inside shard_map's checks
+    from jax._src.lax.parallel import all_gather_invariant_p, psum_invariant_p, reduce_scatter_p
+except ImportError:
+    reduce_scatter_p = psum_invariant_p = all_gather_invariant_p = None
+
+MISSING: list[str] = []
+"""The primitives jzero looks for that this JAX does not have (``tests/test_jax_internals``
+names them); equations of those kinds are then bound as traced, as :data:`Kind.OTHER`."""
+
+
+def _prim(*names: str) -> Primitive | None:
+    """The first of ``jax.extend.core.primitives``' attributes ``names`` that exists."""
+    for name in names:
+        found = getattr(prims, name, None)
+        if isinstance(found, Primitive):
+            return found
+    MISSING.append(names[0])
+    return None
 
 
 class Kind(enum.Enum):
@@ -36,55 +59,84 @@ class Kind(enum.Enum):
     OTHER = "other"
 
 
-ELEMENTWISE = frozenset(
-    {
-        *(prims.add_p, prims.sub_p, prims.mul_p, prims.div_p, prims.rem_p, prims.neg_p),
-        *(prims.abs_p, prims.sign_p, prims.max_p, prims.min_p, prims.clamp_p, prims.sqrt_p),
-        *(prims.rsqrt_p, prims.cbrt_p, prims.pow_p, prims.integer_pow_p, prims.square_p),
-        *(prims.exp_p, prims.exp2_p, prims.log_p, prims.log1p_p, prims.expm1_p, prims.tanh_p),
-        *(prims.logistic_p, prims.select_n_p, prims.convert_element_type_p, prims.copy_p),
-        *(prims.eq_p, prims.ne_p, prims.lt_p, prims.le_p, prims.gt_p, prims.ge_p, prims.and_p),
-        *(prims.or_p, prims.not_p, prims.is_finite_p, prims.reduce_precision_p),
-    }
+_ELEMENTWISE_NAMES = (
+    *("add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "clamp", "sqrt"),
+    *("rsqrt", "cbrt", "pow", "integer_pow", "square", "exp", "exp2", "log", "log1p", "expm1"),
+    *("tanh", "logistic", "select_n", "convert_element_type", "copy", "eq", "ne", "lt", "le"),
+    *("gt", "ge", "and", "or", "not", "is_finite", "reduce_precision"),
 )
+ELEMENTWISE = frozenset(p for p in (_prim(f"{n}_p") for n in _ELEMENTWISE_NAMES) if p)
 """Primitives that map each element of their operands to the same element of the result."""
 
 _KINDS: dict[Primitive, Kind] = {
-    prims.jit_p: Kind.CALL,
-    prims.closed_call_p: Kind.CALL,
-    prims.remat_p: Kind.REMAT,
-    prims.scan_p: Kind.SCAN,
-    prims.cond_p: Kind.COND,
-    prims.while_p: Kind.WHILE,
-    prims.custom_vjp_call_p: Kind.CUSTOM_VJP,
-    prims.custom_jvp_call_p: Kind.CUSTOM_JVP,
-    pvary_p: Kind.PVARY,
-    prims.axis_index_p: Kind.AXIS_INDEX,
-    prims.broadcast_in_dim_p: Kind.BROADCAST,
-    prims.slice_p: Kind.SLICE,
-    prims.dynamic_slice_p: Kind.SLICE,
+    **{
+        p: k
+        for p, k in (
+            (_prim("jit_p"), Kind.CALL),
+            (_prim("closed_call_p", "eval_jaxpr_p"), Kind.CALL),
+            (_prim("remat_p"), Kind.REMAT),
+            (_prim("scan_p"), Kind.SCAN),
+            (_prim("cond_p"), Kind.COND),
+            (_prim("while_p"), Kind.WHILE),
+            (_prim("custom_vjp_call_p"), Kind.CUSTOM_VJP),
+            (_prim("custom_jvp_call_p"), Kind.CUSTOM_JVP),
+            (pvary_p, Kind.PVARY),
+            (_prim("axis_index_p"), Kind.AXIS_INDEX),
+            (_prim("broadcast_in_dim_p"), Kind.BROADCAST),
+            (_prim("slice_p"), Kind.SLICE),
+            (_prim("dynamic_slice_p"), Kind.SLICE),
+        )
+        if p is not None
+    },
     **dict.fromkeys(ELEMENTWISE, Kind.ELEMENTWISE),
 }
+
+_DEVICE_PUT, _NAME = _prim("device_put_p"), _prim("name_p")
+_CUSTOM_VJP = _prim("custom_vjp_call_p")
 
 AXIS_PARAMS = ("axes", "axis_name")
 """The parameters through which a collective (psum, all_gather, axis_index, pvary, ...)
 names mesh axes."""
 
 _COLLECTIVES = {  # primitive -> the jax.lax function a user calls, for messages
-    prims.psum_p: "psum/pmean",
-    prims.pmax_p: "pmax",
-    prims.pmin_p: "pmin",
-    prims.all_gather_p: "all_gather",
-    prims.axis_index_p: "axis_index",
-    reduce_scatter_p: "psum_scatter",
-    prims.all_to_all_p: "all_to_all",
-    prims.ppermute_p: "ppermute",
-    pvary_p: "pcast",
+    p: name
+    for p, name in (
+        (_prim("psum_p"), "psum/pmean"),
+        (psum_invariant_p, "psum/pmean"),
+        (all_gather_invariant_p, "all_gather"),
+        (_prim("pmax_p"), "pmax"),
+        (_prim("pmin_p"), "pmin"),
+        (_prim("all_gather_p"), "all_gather"),
+        (_prim("axis_index_p"), "axis_index"),
+        (reduce_scatter_p, "psum_scatter"),
+        (_prim("all_to_all_p"), "all_to_all"),
+        (_prim("ppermute_p"), "ppermute"),
+        (pvary_p, "pcast"),
+    )
+    if p is not None
 }
+
+
+def warn_missing_primitives() -> None:
+    """Warns once (per missing primitive) when this JAX lacks a primitive jzero looks for."""
+    for name in MISSING:
+        warn_fallback(
+            "jzero's jaxpr interpreter",
+            InternalMoved(f"jax.extend.core.primitives.{name}", "is missing"),
+            "equations of that primitive are bound whole, as traced (a scan or checkpoint "
+            "that reads stage 3's parameters gets them gathered whole; an offloaded update "
+            "is not split or chunked across it)",
+            "up to the whole model's gathered parameters per device at stage 3",
+        )
 
 
 def kind(prim: Primitive) -> Kind:
     return _KINDS.get(prim, Kind.OTHER)
+
+
+def is_collective(prim: Primitive) -> bool:
+    """Whether ``prim`` is a collective over named mesh axes (or ``axis_index`` / ``pvary``)."""
+    return prim in _COLLECTIVES
 
 
 def api_name(prim: Primitive) -> str:
@@ -104,7 +156,12 @@ def traced_varying_axes(atom: Var | Literal) -> frozenset:
 
 
 def _varying(aval: Any) -> frozenset:
-    return aval.mat.varying if isinstance(aval, ShapedArray) else frozenset()
+    if not isinstance(aval, ShapedArray):
+        return frozenset()
+    try:
+        return aval.mat.varying
+    except AttributeError:
+        raise InternalMoved("ShapedArray.mat.varying (the mesh axes a value varies over)") from None
 
 
 # What remat policies read: a policy is called as ``policy(prim, *avals, **params)``.
@@ -112,27 +169,29 @@ def _varying(aval: Any) -> frozenset:
 
 def is_trimming_pad(prim: Primitive, params: dict[str, Any]) -> bool:
     """Whether ``prim`` is a ``lax.pad`` with a negative high padding (a trim) on some axis."""
-    return prim is jax.lax.pad_p and any(hi < 0 for _, hi, _ in params["padding_config"])
+    return prim is jax.lax.pad_p and any(
+        hi < 0 for _, hi, _ in param(params, "padding_config", "pad")
+    )
 
 
 def is_copy_to_device(prim: Primitive, params: dict[str, Any]) -> bool:
     """Whether ``prim`` is a ``jax.device_put`` into the device's own memory (inside
     ``jit``: a copy in from host memory, e.g. of an offloaded parameter shard)."""
-    return prim is prims.device_put_p and any(
-        d == jax.memory.Space.Device for d in params["devices"]
+    return prim is _DEVICE_PUT and any(
+        d == jax.memory.Space.Device for d in param(params, "devices", "device_put")
     )
 
 
 def checkpoint_name_of(prim: Primitive, params: dict[str, Any]) -> str | None:
     """The name ``jax.ad_checkpoint.checkpoint_name`` gave a value, if ``prim`` is its."""
-    return params["name"] if prim is prims.name_p else None
+    return param(params, "name", "name") if prim is _NAME else None
 
 
 def custom_vjp_body(prim: Primitive, params: dict[str, Any]) -> Iterator[tuple[Primitive, dict]]:
     """``(primitive, params)`` of each top-level equation of a ``custom_vjp`` function's
     primal computation; nothing for any other primitive."""
-    if prim is not prims.custom_vjp_call_p:
+    if prim is not _CUSTOM_VJP:
         return
-    body = params["call_jaxpr"]
+    body = param(params, "call_jaxpr", "custom_vjp_call")
     for eqn in (body.jaxpr if isinstance(body, ClosedJaxpr) else body).eqns:
         yield eqn.primitive, eqn.params

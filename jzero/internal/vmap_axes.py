@@ -25,10 +25,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as _config  # the varying-axes check flag of shard_map
+
+try:
+    from jax._src import config as _config  # the varying-axes check flag of shard_map
+except ImportError:
+    _config = None
 
 from .equation import Equation
 from .interpret import REBINDS, Rules, bind, rebind, run
+from .moved import InternalMoved, param
 from .primitives import Kind, varying_axes
 
 _REDUCTIONS = {  # api name -> (the reduction over positions, the collective over names)
@@ -43,12 +48,20 @@ def without_vma_checks(fn: Callable) -> Callable:
     ``jax.shard_map``). Differentiable: every primitive is bound again."""
 
     def call(*args: Any) -> Any:
-        with _config._check_vma(False):
+        with _unchecked():
             closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         out = run(closed, jax.tree.leaves(args), _Checked())
         return jax.tree.unflatten(jax.tree.structure(shape), out)
 
     return call
+
+
+def _unchecked() -> Any:
+    """JAX's context that turns shard_map's varying-axes checks off."""
+    check_vma = getattr(_config, "_check_vma", None)
+    if check_vma is None:
+        raise InternalMoved("jax._src.config._check_vma (shard_map's varying-axes checks)")
+    return check_vma(False)
 
 
 def _reduce(api: str, x: jax.Array, axes: Any) -> jax.Array:
@@ -108,8 +121,9 @@ def _cast(x: Any, names: tuple[str, ...]) -> Any:
 def _custom_jvp(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
     """A ``custom_jvp`` function applied again: its body and its derivative rule (as JAX
     traced it, without the checks) each evaluated under ``rules``."""
-    params = eqn.jaxpr_eqn.params
-    body, rule = params["call_jaxpr"], params["jvp_jaxpr_fun"]
+    params = eqn.params
+    body = param(params, "call_jaxpr", "custom_jvp_call")
+    rule = param(params, "jvp_jaxpr_fun", "custom_jvp_call")
 
     @jax.custom_jvp
     def call(*a: Any) -> tuple:

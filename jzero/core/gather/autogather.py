@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ import jax
 
 from ...internal.equation import Equation, Remat, Scan, equations, only_indexed
 from ...internal.interpret import Rules, narrowest_cut, run, run_in_regions
+from ...internal.moved import InternalMoved, warn_fallback
 from ...internal.primitives import Kind
 from ..comm.collectives import Sharded, gather, gather_each, saves_no_gathered
 from .deferred import Deferred, Derived, derive, gathered_at, is_lazy, use
@@ -63,6 +65,19 @@ def gather_where_used(
     """
 
     def call(params: Any, *args: Any) -> Any:
+        try:
+            return per_use(params, *args)
+        except InternalMoved as moved:
+            warn_fallback(
+                "stage 3's per-layer gathering" + (" and prefetch" if prefetch else ""),
+                moved,
+                "every parameter is gathered at the start of the loss and held through it",
+                f"{_whole_model_bytes(params):,} bytes of gathered parameters per device "
+                "held at once, instead of about one layer's",
+            )
+            return fn(gather_each(params), *args)
+
+    def per_use(params: Any, *args: Any) -> Any:
         traced, out_shape = jax.make_jaxpr(lambda p, *a: fn(gather_each(p), *a), return_shape=True)(
             params, *args
         )
@@ -95,6 +110,13 @@ _NOTHING_TO_RECOMPUTE = (
     "jax.checkpoint (or use jzero.remat_layer with manual_gather=True, or layers= with the "
     "Flax adapters), or leave remat_policy=None."
 )
+
+
+def _whole_model_bytes(params: Any) -> int:
+    """The bytes of every parameter gathered whole, on one device."""
+    shapes = (h.layout.shape for h in _handles(params))
+    dtypes = (jax.typeof(h.value).dtype for h in _handles(params))
+    return sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
 
 
 def _is_handle(x: Any) -> bool:

@@ -30,6 +30,7 @@ import jax
 from ...internal import interpret
 from ...internal.equation import Equation, Jaxpr, equations
 from ...internal.interpret import Rules, bind, run, value
+from ...internal.moved import InternalMoved, warn_fallback
 from ...internal.primitives import Kind
 from ..plan import Plan
 from .split import Bucket, Split
@@ -56,6 +57,24 @@ class Cut(NamedTuple):
 
 
 def cuts(split: Split, bucket: Bucket, plan: Plan, chunk: int | None) -> tuple[Cut, ...] | None:
+    """:func:`_cuts`; None (the bucket whole, with a warning) where a JAX internal that
+    chunking reads has moved."""
+    try:
+        return _cuts(split, bucket, plan, chunk)
+    except InternalMoved as moved:
+        state = [plan.opt[j] for j in bucket.opt]
+        nbytes = sum(math.prod(s.layout.padded) * s.dtype.itemsize for s in state)
+        warn_fallback(
+            "the streamed offload's chunks",
+            moved,
+            "each parameter leaf's optimizer state is streamed through the device whole",
+            f"up to {nbytes:,} bytes of one leaf's state on the device at once instead of "
+            f"{chunk:,} elements' worth",
+        )
+        return None
+
+
+def _cuts(split: Split, bucket: Bucket, plan: Plan, chunk: int | None) -> tuple[Cut, ...] | None:
     """The chunks ``bucket`` is evaluated in, or None to evaluate it whole.
 
     Whole: without a chunk size, a bucket of several parameters (the whole-tree fallback),
@@ -105,6 +124,7 @@ def _elementwise(eqn: Equation, shape: tuple[int, ...]) -> bool:
         consts = all(getattr(c, "shape", ()) in ((), shape) for c in inner.consts)
         return consts and all(_elementwise(e, shape) for e in equations(inner))
     if eqn.kind is Kind.BROADCAST:
+        eqn.broadcast_to(lambda s: s)  # what a chunk reads of it (InternalMoved if moved)
         return eqn.broadcasts_scalar
     return eqn.kind is Kind.ELEMENTWISE
 

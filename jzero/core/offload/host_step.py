@@ -6,12 +6,13 @@ rest in pinned host memory and never come to the device; only the gradient shard
 down, in the reduce dtype, and the new parameters come up, in the parameter dtype. The
 device holds neither the state nor the master weights and does no optimizer work.
 
-Design (JAX 0.10, public API only): the Optax update is split as the streamed mode splits
+Design: the Optax update is split as the streamed mode splits
 it (:func:`.split.split_update`): a global part (counters, a global gradient norm) and one
 bucket per parameter leaf. The global part runs on the device, on the fp32 gradients the
 step already holds for its metrics; its small results (scalars such as the clip factor or
 Adam's count) go down to host memory. Each bucket then runs as its own jitted function
-under ``jax.experimental.compute_on.compute_on("device_host")``: it reads its leaf's
+as a host computation (``compute_on(f, compute_type="device_host", ...)``,
+:mod:`jzero.internal.host_compute`): it reads its leaf's
 gradient shard (copied down with ``jax.device_put(g, jax.memory.Space.Host)``, in the
 dtype the gradients were reduced in), unpads and divides it there exactly as the step does
 on the device, evaluates the bucket's traced equations on the host-resident state and
@@ -45,12 +46,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.compute_on import compute_on
 
 from ...internal import interpret
 from ...internal.equation import Equation, equations
+from ...internal.host_compute import on_host
 from ...internal.interpret import REBINDS, Rules, bind, rebind
 from ...internal.interpret import value as read
+from ...internal.moved import InternalMoved
 from ..leaf_layout import unpad
 from ..plan import Plan, Stored
 from ..precision import Precision
@@ -178,7 +180,13 @@ class _OnHost(Rules):
     would not meet the host values it is combined with)."""
 
     def apply(self, eqn: Equation, values: list[Any]) -> list[Any]:
-        outs = rebind(eqn, values, self) if eqn.kind in REBINDS else bind(eqn, values)
+        outs = None
+        if eqn.kind in REBINDS:
+            try:
+                outs = rebind(eqn, values, self)
+            except InternalMoved:  # bound whole as traced: its results moved after it
+                outs = None
+        outs = bind(eqn, values) if outs is None else outs
         return [_to_host(x) for x in outs]
 
 
@@ -224,4 +232,4 @@ def _bucket_program(
             new_params.append(precision.cast(new))
         return new_opt, new_master, new_params
 
-    return compute_on("device_host")(jax.jit(update, donate_argnums=(1,)))
+    return on_host(jax.jit(update, donate_argnums=(1,)))

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import jax
 
+from ...internal import host_compute
+
 HOST = "pinned_host"
 """The memory kind an offloaded leaf is stored in (ZeRO-Offload: the optimizer's leaves)."""
 DEFAULT_OFFLOAD_CHUNK = 2**24
@@ -91,6 +93,8 @@ class Offload:
             )
         if self.offloads:
             _check_host_memory(mesh, self)
+        if self.optimizer == "host":
+            _check_host_compute()
 
 
 def _check_chunk(chunk: Any, optimizer: str | None) -> None:
@@ -116,6 +120,17 @@ def _check_host_memory(mesh: jax.sharding.Mesh, offload: Offload) -> None:
         raise ValueError(
             f"{offload} needs host memory ({HOST!r}), but the {device.platform} backend's "
             f"devices offer only {kinds}; use offload=None on this backend."
+        )
+
+
+def _check_host_compute() -> None:
+    reason = host_compute.unavailable()
+    if reason is not None:
+        raise RuntimeError(
+            f"Offload(optimizer='host') runs the update as a host computation, which JAX "
+            f"{jax.__version__} cannot express the way jzero does: {reason}. Use "
+            "Offload(optimizer='stream') (the same state in host memory, updated on the "
+            "device), or install a JAX that jzero supports (pyproject.toml's range)."
         )
 
 

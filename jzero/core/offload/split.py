@@ -21,6 +21,7 @@ as far as XLA compiles each equation the same way.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ import optax
 
 from ...internal import interpret
 from ...internal.equation import ClosedJaxpr, equations, is_literal
+from ...internal.moved import InternalMoved, warn_fallback
 from ..param_owners import param_owners
 from ..plan import Plan
 
@@ -110,15 +112,42 @@ def _cut(jaxpr: Any, labels: list[int], hard: list[bool]) -> tuple[set[int], dic
 
 @functools.lru_cache(maxsize=32)
 def split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
-    """``tx.update`` for ``plan``'s trees, cut into a global part and per-leaf buckets."""
+    """``tx.update`` for ``plan``'s trees, cut into a global part and per-leaf buckets;
+    one bucket holding the whole update (with a warning) where a JAX internal the split
+    reads has moved."""
+    try:
+        return _split_update(tx, plan)
+    except InternalMoved as moved:
+        state = sum(math.prod(s.layout.padded) * s.dtype.itemsize for s in plan.opt)
+        warn_fallback(
+            "the offloaded update's split into per-leaf buckets",
+            moved,
+            "the whole update runs as one bucket (every optimizer-state leaf moved at once)",
+            f"up to {state:,} bytes of optimizer state per device in flight at once "
+            "instead of one leaf's",
+        )
+        return _whole(jax.make_jaxpr(tx.update)(*_specs(plan), _specs(plan)[0]), plan)
+
+
+def _specs(plan: Plan) -> tuple[Any, Any]:
+    """The parameter (fp32) and Optax-state trees ``tx.update`` is traced on."""
     params = [jax.ShapeDtypeStruct(s.layout.shape, jnp.float32) for s in plan.params]
     opt = [jax.ShapeDtypeStruct(s.layout.shape, s.dtype) for s in plan.opt]
-    trees = jax.tree.unflatten(plan.params_def, params), jax.tree.unflatten(plan.opt_def, opt)
-    closed = jax.make_jaxpr(tx.update)(trees[0], trees[1], trees[0])
-    n, m, jaxpr, eqns = len(params), len(opt), closed.jaxpr, equations(closed)
-    whole = Split(
-        closed, (), (Bucket(tuple(range(n)), tuple(range(m)), tuple(range(len(eqns)))),), ()
-    )
+    return jax.tree.unflatten(plan.params_def, params), jax.tree.unflatten(plan.opt_def, opt)
+
+
+def _whole(closed: ClosedJaxpr, plan: Plan) -> Split:
+    """The whole update as one bucket."""
+    n, m = len(plan.params), len(plan.opt)
+    every = tuple(range(len(closed.jaxpr.eqns)))
+    return Split(closed, (), (Bucket(tuple(range(n)), tuple(range(m)), every),), ())
+
+
+def _split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
+    trees = _specs(plan)
+    closed = interpret.inline_calls(jax.make_jaxpr(tx.update)(trees[0], trees[1], trees[0]))
+    n, jaxpr, eqns = len(plan.params), closed.jaxpr, equations(closed)
+    whole = _whole(closed, plan)
     owners = _owners(tx, plan, trees[1])
     if owners is None or n < 2:
         return whole
