@@ -1,6 +1,7 @@
 """The GPU truth in one command: every jzero claim that needs a GPU, measured, with its
 targets marked PASS / FAIL in one JSON.
 
+    bash scripts/gpu_check.sh --quick              # every claim once, under 8 minutes (GPU)
     bash scripts/gpu_check.sh                      # every piece in turn (GPU; tens of minutes)
     bash scripts/gpu_check.sh --only n1            # one piece (each under 10 minutes)
     bash scripts/gpu_check.sh --only offload:none,offload:streamed   # parts of a piece
@@ -11,6 +12,13 @@ the JSON, so the order is free but for offload's ``none`` before its host-step m
 ``--only n1``; ``--only offload:none``; ``--only offload:streamed``; ``--only
 offload:host_step``; ``--only offload:host_step_params``; ``--only prefetch``; ``--only
 quant``; ``--only mock8:overlap``; then ``--only mock8:dp`` ... ``--only mock8:zero3``.
+
+``--quick`` is the check for one lease of 15 minutes (one command of at most 10): each
+unit with its own time limit (:data:`QUICK`): ``n1`` 170 s (it took about 150 s on the
+H200), ``offload_fixed:none`` 70 s and ``offload_fixed:host_step`` 85 s (the 1.21 B GPT of
+d_model 2048 x 24 layers, no search), ``mock8:overlap`` 55 s, ``table2`` 70 s: 450 s of
+parts, about 470 s with the machine probe. Then ``--only`` any longer piece in the time
+left.
 
 Pieces (``--only``; a piece with parts runs each part in its own process, and
 ``piece:part`` picks parts):
@@ -29,6 +37,12 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
   GPU compiler via ``mock_num_gpu_processes`` (compile only): whether stage 3's
   all-gathers overlap compute with and without prefetch, and Table 2 (largest GPT per
   stage in 139 GiB per device; ``scripts/gpu_mock8.py``).
+- ``offload_fixed`` (parts ``none``, ``host_step``): the two modes trained at one fixed
+  size, each in its own process: the allocator's peak and the step time. Targets: the host
+  step's peak <= 0.6 x none's, its step time <= 1.5 x none's.
+- ``table2``: Table 2 at N = 8 from the estimator, each stage compiled once at its
+  predicted size on the mocked GPU compiler. Targets: each compiled peak within the
+  budget; zero3 / dp predicted params >= 7.
 
 Each part runs in a fresh process (a GPU's memory is the part's alone; XLA flags and the
 GPU mock must be set before JAX starts) with a time limit (``--part-seconds``), and its
@@ -95,12 +109,30 @@ PIECES = {
         "gpu_mock8:run", parts=("overlap", "dp", "zero1", "zero2", "zero3"), cpu_devices=8,
         xla_flags=LHS, mock_gpus=True, summary="gpu_mock8:targets",
     ),
+    "offload_fixed": Piece(
+        "gpu_offload:fixed", parts=("none", "host_step"), summary="gpu_offload:fixed_targets",
+    ),
+    "table2": Piece("gpu_mock8:table2_estimate", cpu_devices=8, mock_gpus=True),
 }  # fmt: skip
 
+QUICK = {  # --quick: every claim once, within one 10-minute command; seconds per unit
+    ("n1", None): 170,
+    ("offload_fixed", "none"): 70,
+    ("offload_fixed", "host_step"): 85,
+    ("mock8", "overlap"): 55,
+    ("table2", None): 70,
+}  # fmt: skip
+"""450 s of parts, about 470 s with the machine probe and process starts: under 8 minutes."""
 
-def _units(only: str | None) -> list[tuple[str, str | None]]:
-    """``--only`` as ``(piece, part or None)`` in the pieces' order; raises ValueError."""
+
+def _units(only: str | None, quick: bool = False) -> list[tuple[str, str | None]]:
+    """``--only`` (or ``--quick``) as ``(piece, part or None)`` in the pieces' order;
+    raises ValueError."""
     every = [(p, part) for p, piece in PIECES.items() for part in piece.parts or (None,)]
+    if quick:
+        if only is not None:
+            raise ValueError("--quick runs its own units; leave --only out")
+        return list(QUICK)
     if only is None:
         return every
     wanted = set()
@@ -121,6 +153,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: the code paths")
     ap.add_argument("--only", help="pieces or piece:part, comma-separated (default: all)")
     ap.add_argument(
+        "--quick", action="store_true",
+        help="every claim once in under 8 minutes: n1, the host step against none at one "
+        "size, mock8's overlap, Table 2 from the estimator (one compile per stage)",
+    )  # fmt: skip
+    ap.add_argument(
         "--json",
         type=Path,
         help=f"where results merge (default {DEFAULT_JSON.relative_to(ROOT)}; --dry-run: "
@@ -130,7 +167,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.json = args.json or (DRY_JSON if args.dry_run else DEFAULT_JSON)
     try:
-        args.units = _units(args.only)
+        args.units = _units(args.only, args.quick)
     except ValueError as e:
         ap.error(str(e))
     return args
@@ -153,17 +190,19 @@ def _env(piece: Piece, machine: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def _process(args, unit: str, out: Path, *, env: dict[str, str], gpus: int) -> str | None:
-    """Runs ``--piece unit`` in a fresh process; None, or why it failed."""
+def _process(
+    args, unit: str, out: Path, *, env: dict[str, str], gpus: int, seconds: float
+) -> str | None:
+    """Runs ``--piece unit`` in a fresh process within ``seconds``; None, or why it failed."""
     cmd = [sys.executable, str(PART), unit, str(out), "--gpus", str(gpus)]
     cmd += ["--dry-run"] if args.dry_run else []
     try:
         done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=args.part_seconds
+            cmd, env=env, capture_output=True, text=True, timeout=seconds
         )
     except subprocess.TimeoutExpired:
         return (
-            f"timed out after {args.part_seconds:.0f} s: run it alone (--only {unit}) or "
+            f"timed out after {seconds:.0f} s: run it alone (--only {unit}) or "
             "give it more time (--part-seconds)"
         )
     if done.returncode != 0:
@@ -183,7 +222,8 @@ def run_unit(args, piece_name: str, part: str | None, doc: dict, machine: dict) 
             out.write_text(json.dumps(doc["pieces"].get(piece_name, {}).get("parts", {})))
         print(f"{unit}: running ...", flush=True)
         start = time.perf_counter()
-        error = _process(args, unit, out, env=_env(piece, machine), gpus=gpus)
+        seconds = QUICK[piece_name, part] if args.quick and not args.dry_run else args.part_seconds
+        error = _process(args, unit, out, env=_env(piece, machine), gpus=gpus, seconds=seconds)
         result = {"error": error, "targets": []} if error else json.loads(out.read_text())
     result.setdefault("seconds", time.perf_counter() - start)
     result["ran_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
+from jzero.accounting.estimate import transformer_activation_bytes
 from jzero.accounting.schedule import collective_overlap, overlap_summary
 
 DEVICES = 8
@@ -118,3 +119,68 @@ def targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     ratio = z3["stage"]["params"] / dp["stage"]["params"]
     text = f"zero3 params / dp params at N = {DEVICES} {ratio:.2f} >= {max_model.TARGET:g}"
     return [target(name, ratio >= max_model.TARGET, text, measured=ratio, bound=max_model.TARGET)]
+
+
+TABLE2_QUICK = {  # the estimator's prediction per stage, confirmed by one compile each
+    "gpu": {"d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 256, "batch": DEVICES},
+    "dry": {"d_model": 32, "heads": 2, "seq_len": 16, "vocab": 256, "batch": DEVICES},
+}
+
+
+def _predicted_layers(args: argparse.Namespace, entry: max_model.Entry, budget: float) -> int:
+    """The most layers ``jzero.estimate`` fits in ``budget`` per device (fp32, AdamW,
+    activations under full checkpointing), as ``max_model``'s search starts from."""
+    one, two = max_model.family_params(args, 1), max_model.family_params(args, 2)
+    base, per_layer = 2 * one - two, two - one
+
+    def est(layers: int) -> float:
+        acts = 2 * transformer_activation_bytes(
+            batch=max(1, args.batch // DEVICES), seq=args.seq_len, hidden=args.d_model,
+            layers=layers, heads=args.heads, checkpointing=True,
+        )  # fmt: skip
+        return jzero.estimate(
+            params=base + layers * per_layer, devices=DEVICES, stage=entry.stage,
+            precision="fp32", largest_layer_params=per_layer, activation_bytes=acts,
+        ).total_bytes  # fmt: skip
+
+    layers = 1
+    while est(layers * 2) <= budget and layers < max_model.MAX_LAYERS:
+        layers *= 2
+    lo, hi = layers, layers * 2  # est(lo) fits (or lo is 1), est(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if est(mid) <= budget else (lo, mid)
+    return lo
+
+
+def table2_estimate(ctx: Context) -> dict[str, Any]:
+    """Table 2 at N = 8 from the estimator: per stage, the largest GPT it predicts in the
+    budget, compiled once at that size (no search). Targets: each compiled peak within the
+    budget, and zero3 / dp predicted params >= ``max_model.TARGET``."""
+    from jzero.cli.units import parse_bytes
+
+    key = "dry" if ctx.dry_run else "gpu"
+    s, budget = TABLE2_QUICK[key], parse_bytes(TABLE2_BUDGET[key])
+    args = argparse.Namespace(
+        vocab=s["vocab"], seq_len=s["seq_len"], d_model=s["d_model"], heads=s["heads"],
+        batch=s["batch"], seed=0, warmup=0, max_model_train=0,
+    )  # fmt: skip
+    stages, targets = {}, []
+    for entry in (e for e in max_model.ENTRIES if e.name in TABLE2):
+        layers = _predicted_layers(args, entry, budget)
+        c = max_model.compile_step(args, entry=entry, layers=layers, batch=s["batch"],
+                                   make_tx=bench._adamw)  # fmt: skip
+        stages[entry.name] = {"layers": layers, "params": max_model.family_params(args, layers),
+                              "compiled_peak_bytes": c.peak, "peak_over_budget": c.peak / budget}
+        name = f"table2 {entry.name} fits"
+        text = f"{entry.name} at the predicted {layers} layers: compiled peak / budget " \
+               f"{c.peak / budget:.3f} <= 1"  # fmt: skip
+        targets.append(target(name, c.peak <= budget, text, measured=c.peak / budget, bound=1.0)
+                       if ctx.gpu else skip(name, NO_GPU))  # fmt: skip
+    ratio = stages["zero3"]["params"] / stages["dp"]["params"]
+    text = f"zero3 / dp predicted params at N = {DEVICES} {ratio:.2f} >= {max_model.TARGET:g}"
+    targets.append(target("table2 zero3/dp", ratio >= max_model.TARGET, text, measured=ratio,
+                          bound=max_model.TARGET)
+                   if ctx.gpu else skip("table2 zero3/dp", NO_GPU))  # fmt: skip
+    return {"sizes": s, "budget_bytes": budget, "stages": stages, "targets": targets,
+            "compiler": jax.devices()[0].platform}  # fmt: skip

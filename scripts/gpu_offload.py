@@ -233,3 +233,54 @@ def targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             found += _host_targets(name, part, none)
     return found + [_params_on_host(parts)]
+
+
+# ------------------------------------------- the quick check's fixed-size comparison
+FIXED_PARTS = ("none", "host_step")
+FIXED_LAYERS = {"gpu": 24, "dry": 2}  # gpu: d_model 2048 x 24 layers, 1.21 B params
+FIXED_PEAK = 0.6  # host step's allocator peak / none's, at most (ZeRO-Offload's promise)
+FIXED_TIME = 1.5  # host step's step time / none's, at most
+
+
+def _allocator_peak() -> int | None:
+    """The device allocator's ``peak_bytes_in_use`` in this process (None on CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def fixed(ctx: Context, part: str, earlier: dict[str, Any]) -> dict[str, Any]:
+    """One mode trained at one fixed size (no search): its compiled peak, the allocator's
+    peak and its step time. Each mode runs in its own process, so the allocator's peak is
+    the mode's alone."""
+    del earlier
+    mode, s = MODES[part], SIZES["dry" if ctx.dry_run else "gpu"]
+    if (reason := _available(mode)) is not None:
+        return {"skipped": reason, "targets": []}
+    args, layers = _args(s), FIXED_LAYERS["dry" if ctx.dry_run else "gpu"]
+    batch = s["batch"] * jax.device_count()
+    kw = {"entry": max_model.Entry(f"zero3_{part}", 3, mode.offload()), "batch": batch,
+          "make_tx": bench._adamw}  # fmt: skip
+    step = max_model.compile_step(args, layers=layers, **kw)
+    trained = max_model.train_steps(args, compiled=step, layers=layers, **kw)
+    return {"sizes": s, "layers": layers, "compiled_peak_bytes": step.peak,
+            "compiled_host_bytes": step.host, "allocator_peak_bytes": _allocator_peak(),
+            "train": trained, "targets": []}  # fmt: skip
+
+
+def fixed_targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The host step against none at the fixed size: its allocator peak and step time."""
+    none, host = parts.get("none") or {}, parts.get("host_step") or {}
+    names = ("offload fixed host_step peak", "offload fixed host_step time")
+    if "train" not in none or "train" not in host:
+        why = "skipped: needs offload_fixed:none and offload_fixed:host_step"
+        return [skip(n, host.get("skipped") or why) for n in names]
+    time_ratio = host["train"]["step_ms_median"] / none["train"]["step_ms_median"]
+    found = [target(names[1], time_ratio <= FIXED_TIME,
+                    f"host_step step time / none's at {host['train']['params']:,} params "
+                    f"{time_ratio:.3f} <= {FIXED_TIME}", measured=time_ratio,
+                    bound=FIXED_TIME)]  # fmt: skip
+    if none["allocator_peak_bytes"] is None or host["allocator_peak_bytes"] is None:
+        return [skip(names[0], "skipped: no allocator statistics (CPU)"), *found]
+    peak = host["allocator_peak_bytes"] / none["allocator_peak_bytes"]
+    text = f"host_step allocator peak / none's {peak:.3f} <= {FIXED_PEAK}"
+    return [target(names[0], peak <= FIXED_PEAK, text, measured=peak, bound=FIXED_PEAK), *found]

@@ -124,6 +124,13 @@ def prefetch(ctx: Context) -> dict[str, Any]:
     }
 
 
+ROUNDING = 1 + 2**-15
+"""The quantizers' documented bounds hold up to fp32's rounding of ``x / scale``: within
+2 ulp (XLA:GPU divides approximately) of a value below 128, whose ulp is 2**-17, so half a
+step grows by at most 2 * 2**-17 / (1/2) = 2**-15 of itself (H200, jax 0.11.2: int8
+measured 1 + 1.8e-5)."""
+
+
 def _quant_run(dtype: str) -> bench.Run:
     """bench's ``zero3_int8`` with gathers in ``dtype`` (``'int8'`` or ``'fp8'``)."""
     base = RUNS["zero3_int8"]
@@ -154,7 +161,7 @@ def roundtrip_error(params: Any, *, dtype: str, block: int) -> float:
 def quant(ctx: Context) -> dict[str, Any]:
     """Stage 3 with exact, int8 and fp8 parameter all-gathers over all devices. Targets per
     dtype: the quantizer's round trip on the model's initial parameters within its
-    documented bound (fp32 rounding aside: 1e-5), and the first loss within bench's
+    documented bound times :data:`ROUNDING`, and the first loss within bench's
     ``zero3_int8`` tolerance of the exact gather's. Step times and gathered bytes are
     figures."""
     s = sizes("quant", ctx)
@@ -176,8 +183,9 @@ def quant(ctx: Context) -> dict[str, Any]:
         }
         runs.append(fields)
         targets += [
-            target(f"quant {dtype} error", err <= 1 + 1e-5,
-                   f"{dtype} round-trip error / bound {err:.4f} <= 1", measured=err, bound=1.0),
+            target(f"quant {dtype} error", err <= ROUNDING,
+                   f"{dtype} round-trip error / bound {err:.6f} <= {ROUNDING:.6f}",
+                   measured=err, bound=ROUNDING),
             target(f"quant {dtype} loss", diff <= QUANT_LOSS,
                    f"{dtype} first loss rel. diff vs exact {diff:.2e} <= {QUANT_LOSS:g}",
                    measured=diff, bound=QUANT_LOSS),

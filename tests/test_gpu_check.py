@@ -24,6 +24,7 @@ import gpu_check  # noqa: E402  (scripts/gpu_check.py)
 PARTS = {
     "offload": ["none", "streamed", "host_step", "host_step_params"],
     "mock8": ["overlap", "dp", "zero1", "zero2", "zero3"],
+    "offload_fixed": ["none", "host_step"],
 }
 MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "host_memory_bytes"}
 
@@ -114,6 +115,44 @@ def test_only_selects_pieces_and_parts_in_order_and_refuses_unknown_names():
     assert gpu_check._units("mock8")[0] == ("mock8", "overlap")
     with pytest.raises(ValueError, match="unknown 'offload:host'"):
         gpu_check._units("offload:host")
+
+
+def test_quick_runs_every_claim_once_within_eight_minutes():
+    units = gpu_check._units(None, quick=True)
+    assert units == [("n1", None), ("offload_fixed", "none"), ("offload_fixed", "host_step"),
+                     ("mock8", "overlap"), ("table2", None)]  # fmt: skip
+    assert sum(gpu_check.QUICK.values()) <= 8 * 60 - 30  # the machine probe and starts
+    with pytest.raises(ValueError, match="--quick runs its own units"):
+        gpu_check._units("n1", quick=True)
+
+
+@pytest.mark.slow
+def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
+    _, doc = dry_run
+    fixed = doc["pieces"]["offload_fixed"]["parts"]
+    assert fixed["none"]["compiled_host_bytes"] == 0 < fixed["host_step"]["compiled_host_bytes"]
+    assert fixed["none"]["train"]["params"] == fixed["host_step"]["train"]["params"]
+    stages = doc["pieces"]["table2"]["stages"]
+    assert list(stages) == ["dp", "zero1", "zero2", "zero3"]
+    layers = [stages[s]["layers"] for s in stages]
+    assert layers == sorted(layers) and layers[-1] > layers[0]  # each stage fits more
+
+
+def test_fixed_offload_targets_compare_the_host_step_with_none():
+    import gpu_offload
+
+    mode = lambda peak, ms: {"allocator_peak_bytes": peak,
+                             "train": {"params": 10**9, "step_ms_median": ms}}  # fmt: skip
+    found = {t["name"]: t for t in gpu_offload.fixed_targets(
+        {"none": mode(100, 200.0), "host_step": mode(55, 280.0)})}  # fmt: skip
+    peak, time = found["offload fixed host_step peak"], found["offload fixed host_step time"]
+    assert (peak["status"], peak["measured"]) == ("PASS", 0.55)
+    assert (time["status"], time["measured"]) == ("PASS", 1.4)
+    found = {t["name"]: t for t in gpu_offload.fixed_targets(
+        {"none": mode(100, 200.0), "host_step": mode(99, 520.0)})}  # fmt: skip
+    assert {t["status"] for t in found.values()} == {"FAIL"}
+    found = gpu_offload.fixed_targets({"none": mode(None, 1.0), "host_step": mode(None, 1.0)})
+    assert found[0]["reason"] == "skipped: no allocator statistics (CPU)"
 
 
 def _mode(params: int, host_bytes: int, ms: float, *, at_none: float | None = None) -> dict:

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jzero.internal import interpret
+from jzero.internal import interpret, primitives
 from jzero.internal.equation import Equation, equations, mentions, walk
 from jzero.internal.primitives import (
     ELEMENTWISE,
@@ -46,9 +46,7 @@ ATTRIBUTES = [
     *(("jax.extend.core", n) for n in ("ClosedJaxpr", "Jaxpr", "JaxprEqn", "Literal", "Var")),
     ("jax.extend.core", "Primitive"),
     ("jax.extend.source_info_util", "summarize"),
-    ("jax._src.core", "pvary_p"),
-    ("jax._src.core", "ShapedArray"),
-    ("jax._src.lax.parallel", "reduce_scatter_p"),
+    ("jax.core", "ShapedArray"),
     ("jax._src.distributed", "global_state"),  # jzero.internal.coordination
     ("jax._src.config", "_check_vma"),  # jzero.internal.vmap_axes
 ]
@@ -248,11 +246,22 @@ def test_varying_axes_and_the_pvary_cast():
     )
     kinds = {e.kind for e in walk(traced)}
     assert Kind.PVARY in kinds, _changed(
-        "jax._src.core.pvary_p (psum of an invariant value)", "is gone"
+        "the primitive jax.lax.pcast(..., to='varying') binds (pvary: before a psum of an "
+        "invariant value)", "is gone"
     )
     pvary = next(e for e in walk(traced) if e.kind is Kind.PVARY)
     assert pvary.axis_names == {"data"}, _changed("pvary's 'axes' parameter", "changed")
     assert mentions(traced, {"data"})
+
+
+def test_the_collectives_shard_map_binds_are_found_by_tracing_public_functions():
+    found = {p.name: name for p, name in primitives.collectives().items()}
+    for api in ("pcast", "psum/pmean", "psum_scatter", "all_gather", "pmax", "ppermute"):
+        assert api in found.values(), _changed(
+            f"the primitive jax.lax.{api} binds inside shard_map", f"was not found ({found})"
+        )
+    assert primitives.pvary_primitive() is not None
+    assert not primitives.MISSING, _changed(f"jax.extend.core.primitives.{primitives.MISSING}", "is gone")
 
 
 def test_collectives_name_their_axes():

@@ -3,8 +3,8 @@
 jzero re-runs traced jaxprs (stage 3's deferred gathers, batch-axis aliases, the
 offloaded update's split and chunks), reads what remat policies are shown, and explains a
 collective over an axis the step lacks. That needs parts of JAX outside its public API:
-``jax.extend.core`` (jaxpr types, primitives), ``jax._src`` (the ``pvary`` primitive,
-equation contexts, source information), primitive parameter names, the operand order of
+``jax.extend.core`` (jaxpr types, primitives), two parts of ``jax._src`` (shard_map's
+varying-axes check flag, the coordination service), primitive parameter names, the operand order of
 higher-order primitives and the text of one JAX error. They are all here and nowhere else
 in jzero (``tests/test_structure.py`` checks it); the rest of jzero uses public JAX.
 
@@ -31,4 +31,7 @@ Modules:
 - :mod:`.unbound_axes`: which collective of a function names an axis a step lacks.
 - :mod:`.coordination`: JAX's coordination-service key-value store (multi-process
   progress, :mod:`jzero.distributed`).
+- :mod:`.host_compute`: a host computation inside a device program (``compute_on``).
+- :mod:`.moved`: what every reader raises when an internal moved
+  (:class:`~.moved.InternalMoved`), and the features' one warning when they fall back.
 """

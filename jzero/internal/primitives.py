@@ -8,7 +8,8 @@ read a primitive's parameters only through the functions at the end of this modu
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -17,14 +18,7 @@ from jax.extend.core import primitives as prims
 
 from .moved import InternalMoved, param, warn_fallback
 
-try:  # pvary: the cast JAX adds before a psum; ShapedArray: the type that holds .mat
-    from jax._src.core import ShapedArray, pvary_p
-except ImportError:  # moved: nothing is a pvary, and no value is seen varying
-    ShapedArray, pvary_p = (), None
-try:  # psum_scatter's primitive; what psum / all_gather bind inside shard_map's checks
-    from jax._src.lax.parallel import all_gather_invariant_p, psum_invariant_p, reduce_scatter_p
-except ImportError:
-    reduce_scatter_p = psum_invariant_p = all_gather_invariant_p = None
+ShapedArray = getattr(jax.core, "ShapedArray", ())  # the type whose .mat holds varying axes
 
 MISSING: list[str] = []
 """The primitives jzero looks for that this JAX does not have (``tests/test_jax_internals``
@@ -80,7 +74,6 @@ _KINDS: dict[Primitive, Kind] = {
             (_prim("while_p"), Kind.WHILE),
             (_prim("custom_vjp_call_p"), Kind.CUSTOM_VJP),
             (_prim("custom_jvp_call_p"), Kind.CUSTOM_JVP),
-            (pvary_p, Kind.PVARY),
             (_prim("axis_index_p"), Kind.AXIS_INDEX),
             (_prim("broadcast_in_dim_p"), Kind.BROADCAST),
             (_prim("slice_p"), Kind.SLICE),
@@ -90,6 +83,7 @@ _KINDS: dict[Primitive, Kind] = {
     },
     **dict.fromkeys(ELEMENTWISE, Kind.ELEMENTWISE),
 }
+"""Kinds of the primitives ``jax.extend`` names; :func:`kinds` adds those only a trace shows."""
 
 _DEVICE_PUT, _NAME = _prim("device_put_p"), _prim("name_p")
 _CUSTOM_VJP = _prim("custom_vjp_call_p")
@@ -102,19 +96,83 @@ _COLLECTIVES = {  # primitive -> the jax.lax function a user calls, for messages
     p: name
     for p, name in (
         (_prim("psum_p"), "psum/pmean"),
-        (psum_invariant_p, "psum/pmean"),
-        (all_gather_invariant_p, "all_gather"),
         (_prim("pmax_p"), "pmax"),
         (_prim("pmin_p"), "pmin"),
         (_prim("all_gather_p"), "all_gather"),
         (_prim("axis_index_p"), "axis_index"),
-        (reduce_scatter_p, "psum_scatter"),
         (_prim("all_to_all_p"), "all_to_all"),
         (_prim("ppermute_p"), "ppermute"),
-        (pvary_p, "pcast"),
     )
     if p is not None
 }
+"""The collectives ``jax.extend`` names; :func:`collectives` adds those only a trace shows."""
+
+_IN_SHARD_MAP: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    # api name -> a call of it inside shard_map on (x varying over 'a', w invariant); the
+    # cast first, so that the casts the other calls bind are known as such
+    "pcast": lambda x, w: jax.lax.pcast(w, "a", to="varying"),
+    "psum/pmean": lambda x, w: jax.lax.psum(w, "a"),
+    "pmax": lambda x, w: jax.lax.pmax(x, "a"),
+    "pmin": lambda x, w: jax.lax.pmin(x, "a"),
+    "all_gather": lambda x, w: jax.lax.all_gather(x, "a", tiled=True),
+    "psum_scatter": lambda x, w: jax.lax.psum_scatter(x, "a", tiled=True),
+    "all_to_all": lambda x, w: jax.lax.all_to_all(x, "a", 0, 0, tiled=True),
+    "ppermute": lambda x, w: jax.lax.ppermute(x, "a", [(0, 1), (1, 0)]),
+}
+
+
+@functools.cache
+def _traced_collectives() -> dict[Primitive, str]:
+    """The primitives the public ``jax.lax`` collectives bind inside ``jax.shard_map`` with
+    its varying-axes checks (``psum_invariant``, ``reduce_scatter``, ``pvary`` ...: not all
+    are in ``jax.extend``), read from a trace on an abstract mesh (no device is touched)."""
+    from jax.sharding import AbstractMesh, AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = AbstractMesh((2,), ("a",), axis_types=(AxisType.Auto,))
+    x, w = jax.ShapeDtypeStruct((4,), jax.numpy.float32), jax.ShapeDtypeStruct((2,), "float32")
+    found: dict[Primitive, str] = {}
+    for name, call in _IN_SHARD_MAP.items():
+        body = lambda x, w, call=call: _to_varying(call(x, w).sum())[None]
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P("a"), P()), out_specs=P("a"))
+        inner = jax.make_jaxpr(fn)(x, w).jaxpr.eqns[0].params["jaxpr"]
+        own = [e.primitive for e in inner.eqns[: _own_equations(inner)]]
+        known = {**_COLLECTIVES, **_KINDS, **found}
+        found.update((p, name) for p in own if p not in known)
+    return found
+
+
+def _to_varying(x: jax.Array) -> jax.Array:
+    return x if "a" in varying_axes(x) else jax.lax.pcast(x, "a", to="varying")
+
+
+def _own_equations(jaxpr: Any) -> int:
+    """How many leading equations of a traced body are the call's own, before the ``sum`` and
+    the cast every body ends with."""
+    names = [e.primitive.name for e in jaxpr.eqns]
+    return max(i for i, n in enumerate(names) if n.startswith("reduce_sum"))
+
+
+@functools.cache
+def collectives() -> dict[Primitive, str]:
+    """Every primitive jzero knows as a collective, with the ``jax.lax`` function a user
+    calls for it; where the trace cannot be read, those ``jax.extend`` names (warned)."""
+    try:
+        return {**_COLLECTIVES, **_traced_collectives()}
+    except Exception as e:  # a moved shard_map or jaxpr: the names jax.extend gives stand
+        warn_fallback(
+            "jzero's jaxpr interpreter",
+            InternalMoved("the primitives jax.lax's collectives bind inside shard_map", f"({e})"),
+            "psum's and pcast's forms inside shard_map are bound as traced (batch-axis "
+            "aliases cannot rename them)",
+            "no memory",
+        )
+        return _COLLECTIVES
+
+
+def pvary_primitive() -> Primitive | None:
+    """What ``jax.lax.pcast(x, axes, to="varying")`` binds (JAX's ``pvary``)."""
+    return next((p for p, n in collectives().items() if n == "pcast"), None)
 
 
 def warn_missing_primitives() -> None:
@@ -131,17 +189,20 @@ def warn_missing_primitives() -> None:
 
 
 def kind(prim: Primitive) -> Kind:
-    return _KINDS.get(prim, Kind.OTHER)
+    found = _KINDS.get(prim)
+    if found is None:
+        found = Kind.PVARY if prim is pvary_primitive() else Kind.OTHER
+    return found
 
 
 def is_collective(prim: Primitive) -> bool:
     """Whether ``prim`` is a collective over named mesh axes (or ``axis_index`` / ``pvary``)."""
-    return prim in _COLLECTIVES
+    return prim in collectives()
 
 
 def api_name(prim: Primitive) -> str:
     """The ``jax.lax`` function that binds ``prim`` (its name when jzero knows no other)."""
-    return _COLLECTIVES.get(prim, prim.name)
+    return collectives().get(prim, prim.name)
 
 
 def varying_axes(x: Any) -> frozenset:
