@@ -197,9 +197,7 @@ def _process(
     cmd = [sys.executable, str(PART), unit, str(out), "--gpus", str(gpus)]
     cmd += ["--dry-run"] if args.dry_run else []
     try:
-        done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=seconds
-        )
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds)
     except subprocess.TimeoutExpired:
         return (
             f"timed out after {seconds:.0f} s: run it alone (--only {unit}) or "

@@ -170,8 +170,12 @@ def table2_estimate(ctx: Context) -> dict[str, Any]:
         layers = _predicted_layers(args, entry, budget)
         c = max_model.compile_step(args, entry=entry, layers=layers, batch=s["batch"],
                                    make_tx=bench._adamw)  # fmt: skip
-        stages[entry.name] = {"layers": layers, "params": max_model.family_params(args, layers),
-                              "compiled_peak_bytes": c.peak, "peak_over_budget": c.peak / budget}
+        stages[entry.name] = {
+            "layers": layers,
+            "params": max_model.family_params(args, layers),
+            "compiled_peak_bytes": c.peak,
+            "peak_over_budget": c.peak / budget,
+        }
         name = f"table2 {entry.name} fits"
         text = f"{entry.name} at the predicted {layers} layers: compiled peak / budget " \
                f"{c.peak / budget:.3f} <= 1"  # fmt: skip

@@ -247,7 +247,8 @@ def test_varying_axes_and_the_pvary_cast():
     kinds = {e.kind for e in walk(traced)}
     assert Kind.PVARY in kinds, _changed(
         "the primitive jax.lax.pcast(..., to='varying') binds (pvary: before a psum of an "
-        "invariant value)", "is gone"
+        "invariant value)",
+        "is gone",
     )
     pvary = next(e for e in walk(traced) if e.kind is Kind.PVARY)
     assert pvary.axis_names == {"data"}, _changed("pvary's 'axes' parameter", "changed")
@@ -261,7 +262,8 @@ def test_the_collectives_shard_map_binds_are_found_by_tracing_public_functions()
             f"the primitive jax.lax.{api} binds inside shard_map", f"was not found ({found})"
         )
     assert primitives.pvary_primitive() is not None
-    assert not primitives.MISSING, _changed(f"jax.extend.core.primitives.{primitives.MISSING}", "is gone")
+    missing = primitives.MISSING
+    assert not missing, _changed(f"jax.extend.core.primitives.{missing}", "is gone")
 
 
 def test_collectives_name_their_axes():
