@@ -1,5 +1,7 @@
 """HLO shared by the tests: hand-written module text, and a gather counter."""
 
+import re
+
 from jzero.accounting import collectives
 
 ALL_REDUCE_MODULE = """HloModule m, num_partitions=8
@@ -40,3 +42,20 @@ def assert_gathered_per_layer(per_layer, whole, *, blocks, others, layers: int) 
     temp_whole = whole.memory_analysis().temp_size_in_bytes
     print(f"stage-3 temp: layers=Block {temp} B, without layers= {temp_whole} B")
     assert temp < temp_whole, (temp, temp_whole)
+
+
+def loop_bodies(text: str) -> list[str]:
+    """The text of each ``stablehlo.while`` body region (``do { ... }``) of lowered
+    ``text``, with the bodies of the functions it calls appended (jax 0.11+ lowers a scan's
+    body inline in the region; earlier releases called private functions from it)."""
+    funcs = {f.split("(")[0].split("@")[-1].strip(): f for f in text.split("func.func")[1:]}
+    out = []
+    for start in (m.end() for m in re.finditer(r"\} do \{", text)):
+        depth, end = 1, start
+        while depth:
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            end += 1
+        body = text[start:end]
+        called = set(re.findall(r"func.call @([\w.]+)\(", body))
+        out.append(body + "".join(funcs[c] for c in sorted(called) if c in funcs))
+    return out

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _models import (
     assert_tree_close,
@@ -204,9 +205,14 @@ def _scanned_loss(block):
     return loss_fn
 
 
+# The stacked model's smallest gradient is 7e-8 (median 2e-3): below Adam's default eps its
+# rounding noise becomes +-lr updates (docs/design.md, "Traps"); eps 1e-3 is far above it.
+ROBUST_ADAM = optax.adam(1e-2, eps=1e-3)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_remat_layer_offloads_activations_never_gathered_params(stage):
-    opt = jzero.ZeroOptimizer(TXS["adam"], jzero.data_mesh(), stage=stage)
+    opt = jzero.ZeroOptimizer(ROBUST_ADAM, jzero.data_mesh(), stage=stage)
     results = {}
     for name, policy in (("recompute", None), ("offload", OFFLOAD_HIDDEN)):
         step = opt.train_step(
@@ -227,7 +233,7 @@ def test_remat_layer_offloads_activations_never_gathered_params(stage):
     ):
         np.testing.assert_array_equal(got, want)
     plain = _scanned_loss(lambda p, x: _layer(p, x))
-    ref = reference(TXS["adam"], stacked_params(), plain, [stacked_batch()] * 3)
+    ref = reference(ROBUST_ADAM, stacked_params(), plain, [stacked_batch()] * 3)
     assert_tree_close(results["offload"], ref.params, rtol=1e-5, atol=1e-6)
 
 

@@ -14,12 +14,12 @@ the live arrays.
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo_text import loop_bodies
 from _models import (
     assert_tree_close,
     awkward_batches,
@@ -195,33 +195,19 @@ def test_every_gather_in_the_layer_loops_copies_its_shards_in_first(mode):
         np.testing.assert_array_equal(got, ref)
 
 
-def _loop_bodies(text: str) -> str:
-    """The text of every ``stablehlo.while`` body region (``do { ... }``) in ``text``."""
-    out = []
-    for start in (m.end() for m in re.finditer(r"\} do \{", text)):
-        depth, end = 1, start
-        while depth:
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            end += 1
-        out.append(text[start:end])
-    return "".join(out)
-
-
 def test_the_gpu_program_copies_in_per_layer_inside_the_loops():
     opt = _opt("adam", FP32, True)
     state, batch = opt.init(stacked_params()), stacked_batch()
     step = opt.train_step(_scan_loss)
     # Lowered for GPU (no GPU needed): there jax emits the memory moves XLA:CPU drops.
     text = jax.jit(step).trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
-    funcs = {f.split("(")[0].split("@")[-1]: f for f in text.split("func.func")[1:]}
-    in_loops = set(re.findall(r"func.call @([\w.]+)\(", _loop_bodies(text)))
     to_device = '_xla_buffer_placement = "device"'
-    copies = {name: f.count(to_device) for name, f in funcs.items() if to_device in f}
-    # Called from the loop bodies: w and b copied in forward, w alone in backward (b's
-    # gathered value is not needed to differentiate x @ w + b). In the step itself, the
-    # update's two copies of the fp32 parameters it updates (no master weights).
-    assert sorted(n for name, n in copies.items() if name in in_loops) == [1, 2]
-    assert copies["step"] == 2 and set(copies) - in_loops == {"step"}
+    per_loop = [body.count(to_device) for body in loop_bodies(text)]
+    # In the loop bodies: w and b copied in forward, w alone in backward (b's gathered
+    # value is not needed to differentiate x @ w + b). In the step itself, the update's two
+    # copies of the fp32 parameters it updates (no master weights).
+    assert sorted(n for n in per_loop if n) == [1, 2]
+    assert text.count(to_device) - sum(per_loop) == 2
     assert text.count('_xla_buffer_placement = "pinned_host"') == 2  # both written back
 
 

@@ -208,13 +208,18 @@ def test_stage3_gathers_each_block_twice_and_holds_one(name, layers):
         f"{name} stage-3 temp: {'layers=' if layers else 'default'} {temp} B, whole-model "
         f"gather {temp_whole} B; params {nbytes(params)} B, one block {block_bytes} B"
     )
-    # Per layer, no more than one block's parameters are gathered at a time: the gathered
-    # parameters of the other LAYERS - 1 blocks are saved at least. With layers= (every
-    # block recomputed in backward) the step holds less than the whole model; the default
-    # step keeps the blocks' activations on top.
-    assert temp_whole - temp >= (LAYERS - 1) * block_bytes, (temp, temp_whole, block_bytes)
+    # With layers= no more than one block's parameters are gathered at a time: the gathered
+    # parameters of the other LAYERS - 1 blocks are saved at least, and the step (every
+    # block recomputed in backward) holds less than the whole model. The default step
+    # keeps the blocks' activations on top, and how many gathered weights it holds at once
+    # is XLA's schedule: on XLA 0.10 it saved LAYERS - 1 blocks too; XLA:CPU 0.11+ holds
+    # more on nanodo (temp 1,094,176 B against 810,464 B on 0.10 and 1,270,496 B for the
+    # whole-model gather; lm1b as before): it still holds less than the whole gather.
     if layers:
+        assert temp_whole - temp >= (LAYERS - 1) * block_bytes, (temp, temp_whole, block_bytes)
         assert temp < nbytes(params), (temp, nbytes(params))
+    else:
+        assert temp < temp_whole, (temp, temp_whole)
 
 
 RECOMPUTE = jzero.StepOptions(remat_policy=jax.checkpoint_policies.nothing_saveable)
@@ -234,7 +239,11 @@ def test_remat_policy_without_layers_reaches_the_layers_temp(name):
         f"{name} stage-3 temp: remat_policy without layers= {temp} B, layers= "
         f"{with_layers.temp_size_in_bytes} B, default (activations kept) {keeping} B"
     )
-    assert temp <= with_layers.temp_size_in_bytes, (temp, with_layers.temp_size_in_bytes)
+    # layers= cuts at the block's call, found layers where the fewest bytes cross (the
+    # residual stream): XLA may keep that boundary's input and output, two residual
+    # activations (BATCH/N x SEQ x D fp32 each; lm1b on jax 0.12: 1,216 B more)
+    residual = 4 * (BATCH // 8) * SEQ * D
+    assert temp <= with_layers.temp_size_in_bytes + 2 * residual, (temp, with_layers)
     assert temp < keeping
 
 

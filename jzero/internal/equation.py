@@ -271,6 +271,26 @@ def _scan_counts(params: Any, n_operands: int) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def without_dead_equations(jaxpr: ClosedJaxpr | Jaxpr) -> ClosedJaxpr:
+    """``jaxpr`` without the top-level equations whose results nothing reads and that have
+    no effects. jax 0.11+ keeps them in a trace (e.g. the ``transpose`` behind an unused
+    ``w.T.shape``), where they would read a parameter at the top of a loss: a read that
+    is no layer's."""
+    whole = closed(jaxpr)
+    inner = whole.jaxpr
+    live = {v for v in inner.outvars if isinstance(v, Var)}
+    kept = []
+    for eqn in reversed(inner.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if isinstance(v, Var))
+    if len(kept) == len(inner.eqns) or not hasattr(whole, "replace"):
+        return whole  # (without replace: the dead equations only cost their compute)
+    if whole is inner:  # jax >= 0.11: one class, constants included
+        return whole.replace(eqns=kept[::-1])
+    return ClosedJaxpr(inner.replace(eqns=kept[::-1]), whole.consts)
+
+
 def equations(jaxpr: ClosedJaxpr | Jaxpr) -> list[Equation]:
     """The top-level equations of ``jaxpr``, in order."""
     return [Equation(e) for e in closed(jaxpr).jaxpr.eqns]

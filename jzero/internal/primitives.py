@@ -7,6 +7,7 @@ read a primitive's parameters only through the functions at the end of this modu
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import functools
 from collections.abc import Callable, Iterator
@@ -125,7 +126,13 @@ _IN_SHARD_MAP: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
 def _traced_collectives() -> dict[Primitive, str]:
     """The primitives the public ``jax.lax`` collectives bind inside ``jax.shard_map`` with
     its varying-axes checks (``psum_invariant``, ``reduce_scatter``, ``pvary`` ...: not all
-    are in ``jax.extend``), read from a trace on an abstract mesh (no device is touched)."""
+    are in ``jax.extend``), read from a trace on an abstract mesh (no device is touched).
+    Traced on a thread of its own: outside whatever mesh context the caller is in."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_trace_collectives).result()
+
+
+def _trace_collectives() -> dict[Primitive, str]:
     from jax.sharding import AbstractMesh, AxisType
     from jax.sharding import PartitionSpec as P
 

@@ -40,7 +40,14 @@ from typing import Any
 
 import jax
 
-from ...internal.equation import Equation, Remat, Scan, equations, only_indexed
+from ...internal.equation import (
+    Equation,
+    Remat,
+    Scan,
+    equations,
+    only_indexed,
+    without_dead_equations,
+)
 from ...internal.interpret import Rules, narrowest_cut, run, run_in_regions
 from ...internal.moved import InternalMoved, warn_fallback
 from ...internal.primitives import Kind
@@ -81,6 +88,7 @@ def gather_where_used(
         traced, out_shape = jax.make_jaxpr(lambda p, *a: fn(gather_each(p), *a), return_shape=True)(
             params, *args
         )
+        traced = without_dead_equations(traced)
         shared, reads = _dry_run(traced, params, args)
         rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
         leaves = jax.tree.leaves((params, args))
@@ -138,11 +146,22 @@ def _spans(traced: Any, layers: list[int | None], reads: dict | None) -> list[tu
     """Each repeated layer's equations (:mod:`.layers`), cut where the fewest bytes cross."""
     if not reads:  # None: the model's own scans and checkpoints are its layers
         return []
+    reads = dict(reads)
+    derived = reads.pop(DERIVED, [])
     gaps = layer_gaps(layers, reads, len(equations(traced)))
-    if gaps:  # the first layer starts after the (deferred) gathers
-        gaps[0] = (max(gaps[0][0], max(reads[-1]) + 1), gaps[0][1])
+    if gaps:  # the first layer starts after the (deferred) gathers, and after the casts
+        # and reshapes of parameters before it: a span that began before them would hand
+        # their (lazy) results on to the later layers, gathered
+        lo, hi = gaps[0]
+        before = [e for e in (*reads[-1], *derived) if e is not None and e < hi]
+        gaps[0] = (min(max(lo, max(before, default=-1) + 1), hi), hi)
     cuts = [narrowest_cut(traced, lo, hi) for lo, hi in gaps]
     return list(zip(cuts[:-1], cuts[1:]))
+
+
+DERIVED = -2
+"""The dry run's key, among the reads by handle position, of the top-level equations that
+derive a lazy value from parameters alone (a cast, reshape or transpose)."""
 
 
 def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dict | None]:
@@ -233,6 +252,7 @@ class _Gathering(Rules):
                 return use(eqn, values, self.read)
             if (derived := derive(eqn, values)) is not None:  # read where it is used
                 self.uses.update(x.key for x in values if isinstance(x, Deferred))
+                self.reads[DERIVED].append(self.at)
                 return derived
         return None
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from ...internal import interpret
-from ...internal.equation import ClosedJaxpr, equations, is_literal
+from ...internal.equation import ClosedJaxpr, equations, is_literal, without_dead_equations
 from ...internal.moved import InternalMoved, warn_fallback
 from ..param_owners import param_owners
 from ..plan import Plan
@@ -139,13 +139,14 @@ def _specs(plan: Plan) -> tuple[Any, Any]:
 def _whole(closed: ClosedJaxpr, plan: Plan) -> Split:
     """The whole update as one bucket."""
     n, m = len(plan.params), len(plan.opt)
-    every = tuple(range(len(closed.jaxpr.eqns)))
+    every = tuple(range(len(equations(closed))))
     return Split(closed, (), (Bucket(tuple(range(n)), tuple(range(m)), every),), ())
 
 
 def _split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
     trees = _specs(plan)
     closed = interpret.inline_calls(jax.make_jaxpr(tx.update)(trees[0], trees[1], trees[0]))
+    closed = without_dead_equations(closed)
     n, jaxpr, eqns = len(plan.params), closed.jaxpr, equations(closed)
     whole = _whole(closed, plan)
     owners = _owners(tx, plan, trees[1])
