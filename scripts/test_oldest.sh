@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Runs a stated subset of the tests on the oldest supported versions (ci/oldest-pins.txt) in
-# a fresh venv of its own: the core numerics against Optax, the HLO collectives of every
-# stage, Flax Linen/NNX, per-layer gathering, mixed precision, checkpoints and the checks
-# that name each JAX internal jzero relies on. scripts/test.sh runs everything on the newest.
+# Runs a stated subset of the tests on the oldest supported versions (ci/oldest-pins.txt:
+# the lent GPU image's exact set, jax 0.11.2 on Python 3.12) in a fresh venv of its own:
+# the core numerics against Optax, the HLO collectives of every stage, Flax Linen/NNX,
+# per-layer gathering and prefetch, mixed precision, checkpoints, the host optimizer step
+# (compute_on's form changed in jax 0.11.1), the checks that name each JAX internal jzero
+# relies on and the moved-internal fallbacks, and the GPU check's CPU dry run
+# (test_gpu_check). scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
 .venv-oldest/bin/python -m pip install -q -e '.[dev]' -c ci/oldest-pins.txt
+# The fast tests of the subset, and the whole of test_gpu_check (its dry run is `slow`).
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
-    tests/test_versions.py tests/test_jax_internals.py tests/test_parity.py \
-    tests/test_hlo_stages.py tests/test_flax.py tests/test_autogather.py \
-    tests/test_precision.py tests/test_checkpoint.py "$@"
+    tests/test_versions.py tests/test_jax_internals.py tests/test_moved_internals.py \
+    tests/test_parity.py tests/test_hlo_stages.py tests/test_flax.py tests/test_autogather.py \
+    tests/test_prefetch.py tests/test_precision.py tests/test_checkpoint.py \
+    tests/test_offload_host_step.py "$@"
+.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m '' tests/test_gpu_check.py "$@"

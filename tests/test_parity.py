@@ -24,6 +24,11 @@ import jzero
 # reduce-scatter), so elements differ by a few ulps; near-zero elements get absolute
 # error of the same size, hence atol as well as rtol.
 RTOL, ATOL = 1e-6, 1e-6
+# Nesterov momentum weighs each step's gradient by up to 1 + 0.9 + 0.81 + ... (~10): the
+# fp32 rounding of the gradients' sum, over 8 devices here and over one batch in the
+# reference, accumulates in the trace and the parameters. jax 0.11.2 measured 2.6e-6 on
+# w1 at every stage alike, stage 0 (plain data parallelism) included.
+ATOLS = {"sgd_momentum": 5e-6}
 STEPS = 5
 
 
@@ -78,19 +83,20 @@ def test_matches_single_device_optax(stage, name):
     # min_shard_size=1: every non-scalar leaf is sharded, padded where needed.
     opt, state, losses = _run(stage, OPTIMIZERS[name](), params, batches, min_shard_size=1)
 
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
+    atol = ATOLS.get(name, ATOL)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=atol)
     got = opt.full_params(state)
     for path, want in jax.tree_util.tree_leaves_with_path(ref_params):
         leaf = got
         for k in path:
             leaf = leaf[k.key]
         assert leaf.shape == want.shape
-        np.testing.assert_allclose(leaf, want, rtol=RTOL, atol=ATOL, err_msg=str(path))
+        np.testing.assert_allclose(leaf, want, rtol=RTOL, atol=atol, err_msg=str(path))
     got_opt = opt.full_state(state).opt_state
     assert jax.tree.structure(got_opt) == jax.tree.structure(ref_opt)
     for g, w in zip(jax.tree.leaves(got_opt), jax.tree.leaves(ref_opt)):
         assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=atol)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
