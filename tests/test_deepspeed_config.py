@@ -1132,10 +1132,10 @@ def test_comments_are_read_as_deepspeed_does(tmp_path):
 @pytest.mark.parametrize(
     ("text", "where"),
     [
-        (
+        (  # trailing comma: Python 3.13's json names the comma, 3.12's the "}" after it
             '{\n  /* a\n  comment */\n  "stage": 2,\n}',
-            "line 5 column 1",
-        ),  # trailing comma: at the "}"
+            "line 4 column 13" if sys.version_info >= (3, 13) else "line 5 column 1",
+        ),
         ('{\n  "optimizer": {"type": AdamW}\n}', "line 2 column 25"),  # a quoteless string
         ('{"stage": 2 /* never closed }', "line 1 column 13"),
     ],

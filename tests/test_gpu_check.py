@@ -130,7 +130,7 @@ def test_quick_runs_every_claim_once_within_eight_minutes():
 def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
     _, doc = dry_run
     fixed = doc["pieces"]["offload_fixed"]["parts"]
-    assert fixed["none"]["compiled_host_bytes"] == 0 < fixed["host_step"]["compiled_host_bytes"]
+    assert fixed["none"]["host_bytes"] == 0 < fixed["host_step"]["host_bytes"]
     assert fixed["none"]["train"]["params"] == fixed["host_step"]["train"]["params"]
     stages = doc["pieces"]["table2"]["stages"]
     assert list(stages) == ["dp", "zero1", "zero2", "zero3"]
