@@ -177,6 +177,7 @@ def collectives() -> dict[Primitive, str]:
         return _COLLECTIVES
 
 
+@functools.cache
 def pvary_primitive() -> Primitive | None:
     """What ``jax.lax.pcast(x, axes, to="varying")`` binds (JAX's ``pvary``)."""
     return next((p for p, n in collectives().items() if n == "pcast"), None)
