@@ -32,6 +32,7 @@ from .estimate import (
     theory_model_state_bytes,
 )
 from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, summary_table
+from .memory_spaces import of_compiled
 
 _MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 _MEMORY_FIELDS += ("host_argument", "host_output", "host_alias", "host_temp")  # offload
@@ -102,6 +103,10 @@ class Report:
             stays ``'data'``. Theory: :func:`~jzero.accounting.estimate.theory_comm_bytes_hpz`.
         secondary_bytes: with ``hpz``, the secondary copies forward keeps for backward in
             theory, Ψ·bytes/G (part of ``peak_bytes``); else 0.
+        peak_bytes_by_space: the compiled program's peak per memory space,
+            ``{'device': ..., 'pinned_host': ...}``, from its scheduled HLO
+            (:func:`jzero.accounting.memory_spaces.peak_by_space`): what an offload saves
+            shows here on any backend, where ``peak_bytes`` (XLA:CPU's one memory) does not.
     """
 
     stage: int
@@ -124,6 +129,7 @@ class Report:
     params_bytes_by_memory_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     hpz: int | None = None
     secondary_bytes: float = 0.0
+    peak_bytes_by_space: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def model_state_bytes(self) -> int:
@@ -193,6 +199,7 @@ class Report:
         rows += [
             row("model states", states, theory_states, ratio(self.model_state_ratio)),
             row("peak (compiled)", self.peak_bytes),
+            *[row(f"  in {k} (schedule)", b) for k, b in self.peak_bytes_by_space.items() if b],
             *([row("  hpZ secondary (theory)", self.secondary_bytes)] if self.hpz else []),
             row("comm / step (ring)", comm, self.theory_comm_bytes, ratio(self.comm_ratio)),
         ]
@@ -276,7 +283,8 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
     n = plan.data_size
     compiled = train_step.lower(state, batch).compile()
     peak, memory = _memory(compiled)
-    colls = tuple(collectives(compiled.as_text()))
+    text = compiled.as_text()
+    colls = tuple(collectives(text))
     hpz = getattr(getattr(train_step, "comm", None), "hpz", None)
     by_axis = _bytes_by_axis(list(colls), dict(plan.mesh.shape), hpz)
 
@@ -334,6 +342,7 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         params_bytes_by_memory_kind=_bytes_by_memory_kind(state.params),
         hpz=hpz,
         secondary_bytes=param_total / hpz if hpz else 0.0,
+        peak_bytes_by_space=of_compiled(compiled),
     )
 
 
