@@ -236,9 +236,12 @@ def _update(
         params, opt_state, master = host_update(
             tx, precision, plan, grads, state.opt_state, weights, finite
         )
+    elif plan.offloads:
+        params, opt_state, master = offloaded_update(
+            tx, precision, plan, grads, state.opt_state, weights, finite
+        )
     else:
-        update = offloaded_update if plan.offloads else _device_update
-        params, opt_state, master = update(
+        params, opt_state, master = _device_update(
             tx, precision, plan, grads.averaged, state.opt_state, weights, finite
         )
     if plan.partitions_opt_state and not plan.partitions_params:

@@ -132,7 +132,8 @@ def _elementwise(eqn: Equation, shape: tuple[int, ...]) -> bool:
 class _Scope(MutableMapping):
     """The values one chunk's equations see: those evaluated in the chunk (``local``), or
     whole ones from ``whole`` (a gradient, a global value), sliced to the chunk on first
-    read unless they are scalars."""
+    read unless they are scalars; a whole value with a ``chunk(cut)`` method computes its
+    chunk itself."""
 
     def __init__(self, local: dict, whole: dict, cut: Cut):
         self.local, self.whole, self.cut = local, whole, cut
@@ -140,7 +141,10 @@ class _Scope(MutableMapping):
     def __getitem__(self, v: Any) -> Any:
         if v not in self.local:
             x = self.whole[v]
-            self.local[v] = x if jax.numpy.ndim(x) == 0 else self.cut.take(x)
+            if hasattr(x, "chunk"):  # a value that computes its own chunk
+                self.local[v] = x.chunk(self.cut)
+            else:
+                self.local[v] = x if jax.numpy.ndim(x) == 0 else self.cut.take(x)
         return self.local[v]
 
     def __setitem__(self, v: Any, x: Any) -> None:

@@ -23,18 +23,20 @@ memory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from ...internal.interpret import value as read
+from ..leaf_layout import LeafLayout, unpad
 from ..plan import Plan, Stored
 from ..precision import Precision
 from ..stored_form import store, to_device, to_host, view
 from . import chunks
 from .chunks import Cut
+from .host_step import Gradients
 from .split import Bucket, Split, evaluate, split_update
 
 _IN_FLIGHT = 2  # buckets whose state may be on the device at once
@@ -44,7 +46,7 @@ def offloaded_update(
     tx: optax.GradientTransformation,
     precision: Precision,
     plan: Plan,
-    grads: Any,
+    grads: Gradients,
     opt_state: Any,
     weights: Any,
     finite: jax.Array | None,
@@ -52,7 +54,9 @@ def offloaded_update(
     """The Optax update with the state streamed through the device, piece by piece.
 
     Args:
-        grads: the averaged fp32 gradients, true shapes, on the device.
+        grads: the gradients, reduced and averaged (fp32, true shapes), on the device. A
+            chunked piece reads its chunk of the reduced sums and averages that
+            (:class:`_Averaged`), so the averaged leaf is not held whole beside them.
         opt_state: the stored Optax state (host memory).
         weights: the stored fp32 master weights (host memory), or the stored fp32
             parameters when there are no master weights (device memory).
@@ -66,7 +70,8 @@ def offloaded_update(
     """
     split = split_update(tx, plan)
     jaxpr = split.jaxpr.jaxpr
-    g, o, w = jax.tree.leaves(grads), jax.tree.leaves(opt_state), jax.tree.leaves(weights)
+    g, o, w = jax.tree.leaves(grads.averaged), jax.tree.leaves(opt_state), jax.tree.leaves(weights)
+    reduced = jax.tree.leaves(grads.reduced)
     n, m = len(g), len(o)
     # Targets t: Optax-state leaves 0..m-1, then weights m..m+n-1 (jaxpr input n + t).
     stored, src = (*plan.opt, *(plan.master or plan.params)), [*o, *w]
@@ -98,7 +103,13 @@ def offloaded_update(
             jaxpr.invars[n + t]: here(x if cut is None else cut.take(x), stored[t])
             for t, x in zip(reads, ins)
         }
-        value = _run(split, b, env, inputs, cut)
+        whole = env
+        if cut is not None:  # the gradient's chunk averaged from the reduced sums
+            whole = env | {
+                jaxpr.invars[i]: _Averaged(reduced[i], grads.denominator, plan.params[i].layout)
+                for i in b.params
+            }
+        value = _run(split, b, whole, inputs, cut)
         pending = []
         for j in b.opt:
             new = keep(value(jaxpr.outvars[n + j]), inputs[jaxpr.invars[n + j]])
@@ -120,6 +131,18 @@ def offloaded_update(
         jax.tree.unflatten(plan.opt_def, new_o),
         master,
     )
+
+
+class _Averaged(NamedTuple):
+    """A gradient leaf as a chunk reads it: the chunk of the reduced sums, averaged
+    (elementwise, so equal to the chunk of the averaged leaf, bit for bit)."""
+
+    reduced: jax.Array  # stored (padded) shard, reduce dtype
+    denominator: jax.Array
+    layout: LeafLayout
+
+    def chunk(self, cut: Cut) -> jax.Array:
+        return unpad(cut.take(self.reduced).astype(jnp.float32) / self.denominator, self.layout)
 
 
 def _run(split: Split, bucket: Bucket, env: dict, inputs: dict, cut: Cut | None) -> Any:
