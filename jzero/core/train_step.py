@@ -226,9 +226,9 @@ def _update(
     invalid :class:`Weighted` count) the step keeps the old parameters, Optax state and
     master weights. With an offloaded optimizer the state streams through the device
     (:func:`.offload.update.offloaded_update`), or is updated on the host
-    (:func:`.offload.host_step.host_update`). Leaves the plan stores in host memory
-    (offloaded parameters and master weights too) are copied in to be updated on the
-    device and the new ones written back there (:func:`.placement.constrain`).
+    (:func:`.offload.host_step.host_update`). With stage 3's parameters (and master
+    weights) offloaded and the optimizer on the device, they stream through the device
+    the same way, one piece at a time: the update never copies every weight in at once.
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params
@@ -236,7 +236,7 @@ def _update(
         params, opt_state, master = host_update(
             tx, precision, plan, grads, state.opt_state, weights, finite
         )
-    elif plan.offloads:
+    elif plan.offloads or plan.offloads_params:  # piece by piece, never all weights at once
         params, opt_state, master = offloaded_update(
             tx, precision, plan, grads, state.opt_state, weights, finite
         )

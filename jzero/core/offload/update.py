@@ -57,9 +57,11 @@ def offloaded_update(
         grads: the gradients, reduced and averaged (fp32, true shapes), on the device. A
             chunked piece reads its chunk of the reduced sums and averages that
             (:class:`_Averaged`), so the averaged leaf is not held whole beside them.
-        opt_state: the stored Optax state (host memory).
+        opt_state: the stored Optax state (host memory; device memory when only the
+            parameters are offloaded).
         weights: the stored fp32 master weights (host memory), or the stored fp32
-            parameters when there are no master weights (device memory).
+            parameters when there are no master weights (device memory, or host memory
+            with ``Offload(params=True)``).
         finite: with dynamic loss scaling, whether the gradients are finite (else the old
             state is kept); None otherwise.
 
