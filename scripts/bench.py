@@ -39,19 +39,22 @@ true (unpadded) state bytes, MB = 1e6 (the export: of the parameters' bytes, all
 No targets: the figures depend on the machine.
 
 Largest model (``--max-model BUDGET``, alone; ``scripts/max_model.py``): the ZeRO paper's
-Table 2 and ZeRO-Offload's claim, measured. For DP, stages 1-3 and stage 3 with
-``offload="optimizer"`` over all devices (``--max-model-runs``: a subset), the most
-layers of ``examples/gpt.py`` at a fixed width (``--d-model``, default 128; ``--heads``,
-``--seq-len``, ``--vocab``; global ``--batch``, default one sequence per device; fp32,
-``adamw``) whose jzero train step (``manual_gather=True``) compiles to a device peak (as
-below; host memory apart) <= BUDGET per device, found by compiling only (abstract states
-from ``jax.eval_shape`` of ``init_program``), from the estimator's guess, then doubling
-and bisection. Reported beside ``jzero.max_params`` for the same budget; target: zero3's
-params >= 7 x dp's. ``--max-model-train STEPS`` then trains each found model on the
-devices (``--warmup`` + STEPS steps, random tokens) for its time per step and per token;
-target (a GPU's: on CPU host memory is the same RAM): zero3_offload >= 1.8 x zero3's
-params at <= 3 x its time per token. On one GPU, ``--max-model-runs zero3,zero3_offload``
-(every stage holds the same bytes on one device); benchmarks/README.md has the command.
+Table 2 and ZeRO-Offload's claim, measured. For DP, stages 1-3, and stage 3 streamed
+(``zero3_offload``), with the host step (``zero3_host``), in bf16 with fp32 master weights
+(``zero3_bf16``) and with the host step in bf16 (``zero3_bf16_host``), over all devices
+(``--max-model-runs``: a subset), the most layers of ``examples/gpt.py`` at a fixed width
+(``--d-model``, default 128; ``--heads``, ``--seq-len``, ``--vocab``; global ``--batch``,
+default one sequence per device; ``adamw``) whose jzero train step
+(``manual_gather=True``) compiles to a device peak <= BUDGET per device (the compiled
+program's peak by memory space, ``jzero.accounting.memory_spaces``: host memory apart on
+any backend), found by compiling only (abstract states from ``jax.eval_shape`` of
+``init_program``), from the estimator's guess, then doubling and bisection. Reported
+beside ``jzero.max_params`` for the same budget. Targets: zero3's params >= 7 x dp's;
+zero3_host >= 1.8 x zero3's, zero3_bf16_host >= 3.5 x zero3_bf16's, zero3_offload >= 1.8 x
+zero3's; the stage-3 estimates within 10 %. ``--max-model-train STEPS`` then trains each
+found model on the devices (``--warmup`` + STEPS steps, random tokens) for its time per
+step and per token. On one GPU, ``--max-model-runs zero3,zero3_host`` (every stage holds
+the same bytes on one device); benchmarks/README.md has the command.
 
 Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Field notes:
 
@@ -59,7 +62,11 @@ Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Fiel
   first addressable shard, plus gradients derived from the sharding plan (they are not
   alive between steps): full in stages 0/1, a shard in stages 2/3; ``auto_fsdp``: a shard
   like its parameter. ``auto_fsdp``'s theory is stage 3's (it is FSDP).
-- ``peak_bytes_per_device``: argument + output + temp - alias of ``memory_analysis()``.
+- ``peak_bytes_per_device``: argument + output + temp - alias of ``memory_analysis()``
+  (XLA:CPU: one memory, host buffers included). ``device_peak_bytes_per_device``,
+  ``host_peak_bytes_per_device``: the compiled step's peak per memory space
+  (``report(...).peak_bytes_by_space``: on CPU the schedule replayed with host buffers
+  apart, ``jzero.accounting.memory_spaces``; on a GPU XLA's own per-space figures).
 - ``collectives_per_step``: the HLO collectives times their trip counts, a combined
   (tuple-shaped) one counted once. ``options``: the run's ``train_step`` keywords
   (``manual_gather``, ``bucket``, ``prefetch``) and any ``ZeroOptimizer`` keywords it adds
@@ -106,6 +113,7 @@ from jzero.accounting import (
     theory_comm_bytes,
     theory_model_state_bytes,
 )
+from jzero.accounting.memory_spaces import of_compiled
 from jzero.cli.units import parse_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -157,6 +165,7 @@ ZERO3_VARIANTS = (
 # on the full run, 1.1e-5 to 2.0e-4 on --quick (4 seeds) and 3.4e-5 to 1.8e-4 on
 # tests/test_bench.py's one-layer model (3 seeds), so 1e-3, 5x the largest; an offloaded
 # update runs the same equations, so bitwise.
+OFFLOAD_SAVED = 0.8  # zero3_offload: (zero3's device peak - its own) / its host bytes, at least
 LOSS_TOL = {"zero3_int8": 0.05, "zero3_fp8": 0.05, "zero3_qgz": 1e-3, "zero3_offload": 0.0}
 LOSS_TOL_DEFAULT = 1e-5
 # zero3_int8 / zero3 all-gather bytes: theory 0.25 x (1 + 4 / quant_block) = 0.254, an int8
@@ -358,6 +367,8 @@ def _run_fields(run: Run, losses, times, **fields) -> dict[str, Any]:
         "model_state_bytes_per_device": int(fields["states"]),
         "theory_model_state_bytes_per_device": float(fields["theory_states"]),
         "peak_bytes_per_device": int(fields["peak"]),
+        "device_peak_bytes_per_device": int(fields["spaces"]["device"]),
+        "host_peak_bytes_per_device": int(fields["spaces"]["pinned_host"]),
         "host_bytes_per_device": int(fields["host"]),
         "comm_bytes_per_device": comm,
         "all_gather_bytes_by_dtype": _bytes_by_dtype(fields["collectives"], "all-gather"),
@@ -382,8 +393,8 @@ def run_zero(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str,
     return _run_fields(
         run, losses, times, host=host,
         states=rep.model_state_bytes, theory_states=rep.theory_model_state_bytes,
-        peak=rep.peak_bytes, comm=rep.comm_bytes, theory_comm=rep.theory_comm_bytes,
-        collectives=list(rep.collectives),
+        peak=rep.peak_bytes, spaces=rep.peak_bytes_by_space, comm=rep.comm_bytes,
+        theory_comm=rep.theory_comm_bytes, collectives=list(rep.collectives),
     )  # fmt: skip
 
 
@@ -424,8 +435,9 @@ def run_auto_fsdp(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict
     theory_comm = theory_comm_bytes(stage=3, param_bytes_S=param_total, devices=n)
     _, losses, times = _timed(step, (params, opt_state), batches, warmup)
     return _run_fields(
-        run, losses, times, host=0, states=states, theory_states=theory_states,
-        peak=peak, comm=comm_bytes(colls), theory_comm=theory_comm, collectives=colls,
+        run, losses, times, host=0, states=states, theory_states=theory_states, peak=peak,
+        spaces=of_compiled(compiled), comm=comm_bytes(colls), theory_comm=theory_comm,
+        collectives=colls,
     )  # fmt: skip
 
 
@@ -666,8 +678,8 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
         f"{result['platform']} devices, jax {result['jax']}"
     )
     rows = [(
-        "run", "states KB", "theory", "host KB", "peak KB", "comm KB", "theory", "gather KB",
-        "colls", "ms/step", "loss",
+        "run", "states KB", "theory", "host KB", "peak KB", "device KB", "comm KB", "theory",
+        "gather KB", "colls", "ms/step", "loss",
     )]  # fmt: skip
     for r in result["runs"]:
         rows.append((
@@ -676,6 +688,7 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
             f"{r['theory_model_state_bytes_per_device'] / 1e3:,.1f}",
             f"{r['host_bytes_per_device'] / 1e3:,.1f}",
             f"{r['peak_bytes_per_device'] / 1e3:,.1f}",
+            f"{r['device_peak_bytes_per_device'] / 1e3:,.1f}",
             f"{r['comm_bytes_per_device']['total'] / 1e3:,.1f}",
             f"{r['theory_comm_bytes_per_device'] / 1e3:,.1f}",
             f"{r['comm_bytes_per_device']['all-gather'] / 1e3:,.1f}",
@@ -683,7 +696,7 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
             f"{r['step_ms_median']:.1f}",
             f"{r['loss_first']:.4f} -> {r['loss_last']:.6f}",
         ))  # fmt: skip
-    body = _table.table(rows, right=set(range(1, 10)))
+    body = _table.table(rows, right=set(range(1, 11)))
     return "\n".join([head, body, "", *checks(result, quick=quick)])
 
 
@@ -768,6 +781,11 @@ def _quant_offload_checks(result: dict[str, Any]) -> list[tuple[str, bool, str]]
     if "zero3_offload" in runs:
         h = runs["zero3_offload"]["host_bytes_per_device"]
         found.append(("host", h > 0, f"zero3_offload host bytes {h:,} > 0"))
+        if "zero3" in runs:  # the device's peak falls by what rests on the host
+            device = lambda r: r["device_peak_bytes_per_device"]
+            saved = (device(runs["zero3"]) - device(runs["zero3_offload"])) / h if h else 0.0
+            text = f"zero3_offload device peak below zero3's by {saved:.3f} x its host bytes"
+            found.append(("host", saved >= OFFLOAD_SAVED, f"{text} >= {OFFLOAD_SAVED:g}"))
     return found
 
 

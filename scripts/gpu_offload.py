@@ -37,6 +37,7 @@ import max_model  # scripts/max_model.py
 from gpu_common import Context, skip, target
 
 import jzero
+from jzero.accounting.memory_spaces import replay
 from jzero.cli.units import parse_bytes
 
 
@@ -240,6 +241,8 @@ FIXED_PARTS = ("none", "host_step")
 FIXED_LAYERS = {"gpu": 24, "dry": 2}  # gpu: d_model 2048 x 24 layers, 1.21 B params
 FIXED_PEAK = 0.6  # host step's allocator peak / none's, at most (ZeRO-Offload's promise)
 FIXED_TIME = 1.5  # host step's step time / none's, at most
+STREAM_SAVED = 0.8  # streamed: (none's peak - its peak) / its state at rest on the host, at least
+ALLOCATOR_MARGIN = 0.1  # |allocator peak / compiled device peak - 1|, at most, per mode
 
 
 def _allocator_peak() -> int | None:
@@ -261,20 +264,30 @@ def fixed(ctx: Context, part: str, earlier: dict[str, Any]) -> dict[str, Any]:
     kw = {"entry": max_model.Entry(f"zero3_{part}", 3, mode.offload()), "batch": batch,
           "make_tx": bench._adamw}  # fmt: skip
     step = max_model.compile_step(args, layers=layers, **kw)
-    host = max(step.host, state_host_bytes(args, kw["entry"], layers))  # at rest off device
+    at_rest = state_host_bytes(args, kw["entry"], layers)  # the state resting off the device
     trained = max_model.train_steps(args, compiled=step, layers=layers, **kw)
     return {"sizes": s, "layers": layers, "compiled_peak_bytes": step.peak,
-            "host_bytes": host, "allocator_peak_bytes": _allocator_peak(),
-            "train": trained, "targets": []}  # fmt: skip
+            "replay_peak_bytes": replay(step.executable.as_text()),
+            "host_bytes": max(step.host, at_rest), "host_bytes_at_rest": at_rest,
+            "allocator_peak_bytes": _allocator_peak(), "train": trained,
+            "targets": []}  # fmt: skip
 
 
 def fixed_targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The host step against none at the fixed size: its allocator peak and step time."""
+    """At the fixed size: the host step against none (allocator peak, step time), the
+    streamed mode's saving against the state it offloads, and each mode's allocator peak
+    against its compiled device peak."""
     none, host = parts.get("none") or {}, parts.get("host_step") or {}
     names = ("offload fixed host_step peak", "offload fixed host_step time")
     if "train" not in none or "train" not in host:
         why = "skipped: needs offload_fixed:none and offload_fixed:host_step"
-        return [skip(n, host.get("skipped") or why) for n in names]
+        found = [skip(n, host.get("skipped") or why) for n in names]
+    else:
+        found = _host_step_fixed(none, host, names)
+    return found + _streamed_fixed(none, parts.get("streamed") or {}) + _agreement(parts)
+
+
+def _host_step_fixed(none: dict, host: dict, names: tuple[str, str]) -> list[dict[str, Any]]:
     time_ratio = host["train"]["step_ms_median"] / none["train"]["step_ms_median"]
     found = [target(names[1], time_ratio <= FIXED_TIME,
                     f"host_step step time / none's at {host['train']['params']:,} params "
@@ -285,3 +298,39 @@ def fixed_targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     peak = host["allocator_peak_bytes"] / none["allocator_peak_bytes"]
     text = f"host_step allocator peak / none's {peak:.3f} <= {FIXED_PEAK}"
     return [target(names[0], peak <= FIXED_PEAK, text, measured=peak, bound=FIXED_PEAK), *found]
+
+
+def _streamed_fixed(none: dict, streamed: dict) -> list[dict[str, Any]]:
+    """The streamed mode's allocator peak below none's by >= STREAM_SAVED of its state."""
+    name = "offload fixed streamed peak"
+    if "train" not in none or "train" not in streamed:
+        why = "skipped: needs offload_fixed:none and offload_fixed:streamed"
+        return [skip(name, streamed.get("skipped") or why)]
+    if none["allocator_peak_bytes"] is None or streamed["allocator_peak_bytes"] is None:
+        return [skip(name, "skipped: no allocator statistics (CPU)")]
+    saved = none["allocator_peak_bytes"] - streamed["allocator_peak_bytes"]
+    share = saved / streamed["host_bytes_at_rest"]
+    text = (
+        f"streamed saves {saved:,} B of none's allocator peak = {share:.3f} x the "
+        f"{streamed['host_bytes_at_rest']:,} B of state it offloads >= {STREAM_SAVED}"
+    )
+    return [target(name, share >= STREAM_SAVED, text, measured=share, bound=STREAM_SAVED)]
+
+
+def _agreement(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each trained mode's allocator peak against its compiled device peak."""
+    found = []
+    for part, r in parts.items():
+        name = f"offload fixed {part} allocator vs compiled"
+        if "train" not in r or r["allocator_peak_bytes"] is None:
+            found.append(skip(name, r.get("skipped") or "skipped: no allocator statistics"))
+            continue
+        off = r["allocator_peak_bytes"] / r["compiled_peak_bytes"] - 1
+        text = (
+            f"{part}: allocator peak {r['allocator_peak_bytes']:,} B vs compiled device "
+            f"peak {r['compiled_peak_bytes']:,} B ({100 * off:+.1f}%), within "
+            f"{100 * ALLOCATOR_MARGIN:g}%"
+        )
+        found.append(target(name, abs(off) <= ALLOCATOR_MARGIN, text, measured=off,
+                            bound=ALLOCATOR_MARGIN))  # fmt: skip
+    return found

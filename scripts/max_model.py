@@ -4,18 +4,21 @@ the optimizer offloaded: the ZeRO paper's Table 2 and ZeRO-Offload's claim, meas
 ``scripts/bench.py --max-model BUDGET`` runs :func:`bench_max_model`; benchmarks/README.md
 documents the JSON it returns. Each entry of :data:`ENTRIES` (``--max-model-runs``: a
 subset) is searched by compiling only: the most layers of ``examples/gpt.py`` at a fixed
-width whose compiled step's device peak (``argument + output + temp - alias`` of
-``memory_analysis()``; the ``host_*`` fields, host memory, are recorded apart) fits the
-budget. With ``--max-model-train STEPS`` each found model is then trained for real: its
+width whose compiled step's *device* peak fits the budget. The peak is read per memory
+space from the compiled program (:func:`jzero.accounting.memory_spaces.peak_by_space`:
+its schedule replayed, host-memory buffers apart), so an offload's saving shows on any
+backend; XLA's own ``memory_analysis()`` peak (one memory on XLA:CPU) is recorded beside
+it. With ``--max-model-train STEPS`` each found model is then trained for real: its
 state initialised on the devices and the search's compiled step run ``--warmup`` + STEPS
 times on random tokens, the median step time reported per token. A step that runs out of
 device memory is retried a few layers lower (:func:`train_largest`), so ``train.layers``
 is the largest depth that both compiled within the budget and trained.
 
-The offload target (``zero3_offload`` against ``zero3``, the same stage with and without
-``offload="optimizer"``): at least :data:`OFFLOAD_PARAMS` x the parameters at most
-:data:`OFFLOAD_TIME` x the time per token. Only a GPU can show it: XLA:CPU has one memory,
-so host memory saves nothing there.
+The offload targets (:data:`OFFLOAD_TARGETS`): stage 3 with the host step holds at least
+1.8 x stage 3's parameters in fp32 (the device keeps 8 of 16 bytes per parameter), and
+at least 3.5 x in bf16 with fp32 master weights (4 of 16: ZeRO-Offload's mixed
+precision). The estimator (``jzero.max_params`` with the activation and gathered-layer
+terms) agrees with each found size within :data:`ESTIMATE_TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 import jzero
 from jzero import _table
 from jzero.accounting.estimate import transformer_activation_bytes
+from jzero.accounting.memory_spaces import of_compiled
 from jzero.cli.units import parse_bytes
 
 
@@ -47,7 +51,9 @@ class Entry(NamedTuple):
 
     name: str
     stage: int
-    offload: str | None  # ZeroOptimizer(offload=...)
+    offload: Any  # None, "optimizer" (streamed), "host" (the host step), or a jzero.Offload
+    precision: str = "fp32"  # "fp32", or "bf16": bf16 params and grads, fp32 master weights
+    chunk: int | None = None  # Offload(chunk=...) of a streamed offload (None: the default)
 
 
 ENTRIES = (
@@ -55,11 +61,19 @@ ENTRIES = (
     Entry("zero1", 1, None),
     Entry("zero2", 2, None),
     Entry("zero3", 3, None),
-    Entry("zero3_offload", 3, "optimizer"),
+    # A 64 MB budget is ~1000 x less than a GPU's: the streamed pieces scaled down with it
+    # (the default, 2**24 elements, is 2 x 16 MB of Adam state per device at N = 8 here).
+    Entry("zero3_offload", 3, "optimizer", chunk=2**20),
+    Entry("zero3_host", 3, "host"),
+    Entry("zero3_bf16", 3, None, "bf16"),
+    Entry("zero3_bf16_host", 3, "host", "bf16"),
 )
 TARGET = 7.0  # zero3 / dp parameters (theory: N = 8 for model states alone)
-OFFLOAD_PARAMS = 1.8  # zero3_offload / zero3 parameters, at least
+# (offloaded, base, parameters ratio at least): the same stage and precision, offload apart
+OFFLOAD_TARGETS = (("zero3_host", "zero3", 1.8), ("zero3_bf16_host", "zero3_bf16", 3.5))
+OFFLOAD_PARAMS = 1.8  # zero3_offload (streamed) / zero3 parameters, at least
 OFFLOAD_TIME = 3.0  # zero3_offload / zero3 step time per token, at most
+ESTIMATE_TOLERANCE = 0.10  # |estimate_params / params - 1| of the stage-3 entries
 MAX_LAYERS = 100_000
 OOM_RETRIES = 4  # device out-of-memory retries of a training, each a few layers lower
 
@@ -68,15 +82,19 @@ class Compiled(NamedTuple):
     """One compiled train step of the family and its memory per device."""
 
     executable: Any  # jax.stages.Compiled, called with a live state and batch
-    peak: int  # device memory: argument + output + temp - alias
-    host: int  # host memory (offloaded state): the host_* fields likewise; 0 on CPU
+    peak: int  # device memory: the replayed schedule's peak in device memory
+    host: int  # pinned host memory: likewise
+    xla_peak: int  # memory_analysis(): argument + output + temp - alias (one memory on CPU)
 
 
-def family_config(args: argparse.Namespace, layers: int) -> gpt.GPTConfig:
+def family_config(args: argparse.Namespace, layers: int, precision: str = "fp32") -> gpt.GPTConfig:
     return gpt.GPTConfig(
         vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
-        n_heads=args.heads, n_layers=layers, dtype=jnp.float32,
+        n_heads=args.heads, n_layers=layers, dtype=_DTYPES[precision],
     )  # fmt: skip
+
+
+_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def family_params(args: argparse.Namespace, layers: int) -> int:
@@ -85,8 +103,10 @@ def family_params(args: argparse.Namespace, layers: int) -> int:
 
 
 def _optimizer(entry: Entry, make_tx: Callable[[], optax.GradientTransformation]):
+    offload = _offload(entry)
+    precision = jzero.Precision(param_dtype=_DTYPES[entry.precision])
     return jzero.ZeroOptimizer(
-        make_tx(), jzero.data_mesh(), stage=entry.stage, offload=entry.offload
+        make_tx(), jzero.data_mesh(), stage=entry.stage, offload=offload, precision=precision
     )
 
 
@@ -96,7 +116,7 @@ def compile_step(
     """The entry's jzero train step (``manual_gather=True``) of the family's GPT with
     ``layers`` blocks over all devices, compiled from ``ShapeDtypeStruct`` s (the state
     from ``jax.eval_shape`` of ``init_program``, with its planned shardings): nothing runs."""
-    cfg = family_config(args, layers)
+    cfg = family_config(args, layers, entry.precision)
     opt = _optimizer(entry, make_tx)
     state = jax.eval_shape(*opt.init_program(init_fn=_init_fn(cfg)))
     tokens = jax.ShapeDtypeStruct(
@@ -105,10 +125,11 @@ def compile_step(
     step = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True)
     executable = step.lower(state, {"tokens": tokens}).compile()
     m = executable.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-    host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes
-    host += m.host_temp_size_in_bytes - m.host_alias_size_in_bytes
-    return Compiled(executable, int(peak - m.alias_size_in_bytes), int(host))
+    xla = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    spaces = of_compiled(executable)
+    return Compiled(
+        executable, spaces["device"], spaces["pinned_host"], int(xla - m.alias_size_in_bytes)
+    )
 
 
 def _init_fn(cfg: gpt.GPTConfig) -> Callable[[], Any]:
@@ -199,7 +220,7 @@ def train_steps(
     compiled step ``args.warmup`` + ``args.max_model_train`` times on random tokens; the
     median time of the timed steps, per step and per token (``batch x seq_len`` predicted
     tokens a step)."""
-    cfg = family_config(args, layers)
+    cfg = family_config(args, layers, entry.precision)
     opt = _optimizer(entry, make_tx)
     state = opt.init(init_fn=_init_fn(cfg))
     host = sum(  # the live state resting outside device memory, per device
@@ -238,28 +259,61 @@ def train_steps(
     }
 
 
-def _offload_ratios(by_name: dict[str, Any]) -> dict[str, Any] | None:
-    """zero3_offload against zero3 (same stage, only the offload differs; at N = 1 also
-    the only meaningful pair, as stages 0-3 then hold the same bytes): the parameters (of
-    the trained models when they trained), the time per token, and whether both meet the
-    target (None: not trained, so no time)."""
-    if not {"zero3", "zero3_offload"} <= by_name.keys():
+def _offload_ratios(by_name: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each offloaded entry against its base (same stage and precision, only the offload
+    differs; at N = 1 also the only meaningful pairs, as stages 0-3 then hold the same
+    bytes): the parameters (of the trained models when both trained), the time per token
+    (None: not trained), and whether the parameters' target is met."""
+    out = []
+    for offloaded, base, target in (("zero3_offload", "zero3", OFFLOAD_PARAMS), *OFFLOAD_TARGETS):
+        if not {base, offloaded} <= by_name.keys():
+            continue
+        b, o = by_name[base], by_name[offloaded]
+        trained = b["train"] is not None and o["train"] is not None
+        params = (o["train"] if trained else o)["params"] / (b["train"] if trained else b)["params"]
+        time_ratio = o["train"]["ms_per_token"] / b["train"]["ms_per_token"] if trained else None
+        out.append({
+            "base": base,
+            "offloaded": offloaded,
+            "params_ratio": params,
+            "ms_per_token_ratio": time_ratio,
+            "target_params_ratio": target,
+            "target_ms_per_token_ratio": OFFLOAD_TIME,
+            "met": params >= target,
+        })  # fmt: skip
+    return out
+
+
+def _estimate_check(stages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The stage-3 entries' estimator errors against the found sizes, and whether each is
+    within :data:`ESTIMATE_TOLERANCE`."""
+    errors = {s["name"]: s["estimate_error"] for s in stages if s["stage"] == 3}
+    if not errors:
         return None
-    base, off = by_name["zero3"], by_name["zero3_offload"]
-    trained = base["train"] is not None and off["train"] is not None
-    pick = lambda s: s["train"] if trained else s
-    params = pick(off)["params"] / pick(base)["params"]
-    time_ratio = off["train"]["ms_per_token"] / base["train"]["ms_per_token"] if trained else None
-    met = None if time_ratio is None else params >= OFFLOAD_PARAMS and time_ratio <= OFFLOAD_TIME
+    worst = max(errors, key=lambda k: abs(errors[k]))
     return {
-        "base": "zero3",
-        "offloaded": "zero3_offload",
-        "params_ratio": params,
-        "ms_per_token_ratio": time_ratio,
-        "target_params_ratio": OFFLOAD_PARAMS,
-        "target_ms_per_token_ratio": OFFLOAD_TIME,
-        "met": met,
+        "tolerance": ESTIMATE_TOLERANCE,
+        "errors": errors,
+        "worst": worst,
+        "met": abs(errors[worst]) <= ESTIMATE_TOLERANCE,
     }
+
+
+def _offload(entry: Entry) -> jzero.Offload | None:
+    """The entry's offload as ``ZeroOptimizer(offload=...)`` takes it."""
+    o = entry.offload
+    if isinstance(o, str):
+        return jzero.Offload(optimizer="host" if o == "host" else "stream", chunk=entry.chunk)
+    return o
+
+
+def _estimated(entry: Entry) -> dict[str, Any]:
+    """The entry's offload as the estimator's keyword arguments."""
+    o = _offload(entry)
+    if o is None:
+        return {"offload": None}
+    out = {"offload": o.optimizer, "offload_params": o.params}
+    return out | ({"offload_chunk": o.chunk} if o.chunk is not None else {})
 
 
 def _search(args, entry: Entry, *, budget: float, n: int, batch: int, make_tx, family):
@@ -267,12 +321,13 @@ def _search(args, entry: Entry, *, budget: float, n: int, batch: int, make_tx, f
     base, per_layer = family["params_base"], family["params_per_layer"]
 
     def acts(layers: int) -> float:  # Korthikanti et al.'s 16-bit bytes, x2 for fp32
-        return 2 * transformer_activation_bytes(
+        return (2 if entry.precision == "fp32" else 1) * transformer_activation_bytes(
             batch=max(1, batch // n), seq=args.seq_len, hidden=args.d_model,
             layers=max(1, layers), heads=args.heads, checkpointing=True,
         )  # fmt: skip
 
-    common = {"devices": n, "stage": entry.stage, "precision": "fp32", "offload": entry.offload}
+    precision = "fp32" if entry.precision == "fp32" else "mixed"
+    common = {"devices": n, "stage": entry.stage, "precision": precision, **_estimated(entry)}
 
     def est_bytes(layers: int) -> float:
         return jzero.estimate(
@@ -290,8 +345,8 @@ def _search(args, entry: Entry, *, budget: float, n: int, batch: int, make_tx, f
 
     # A first guess from the estimator, then up to three secant steps: each compiles the
     # guess and moves along the line through its peak and the estimator's bytes at 0 layers
-    # (the estimator's bytes per layer can be far off: offload saves nothing on CPU, and
-    # past offload_chunk elements a stacked leaf streams in chunks, which costs more).
+    # (the estimator's bytes per layer can be off: past offload_chunk elements a stacked
+    # leaf streams in chunks, which costs more).
     slope = est_bytes(2) - est_bytes(1)
     zero = est_bytes(1) - slope
     guess = max(1, 1 + int((budget - est_bytes(1)) // slope))
@@ -314,15 +369,19 @@ def _search(args, entry: Entry, *, budget: float, n: int, batch: int, make_tx, f
     fields = {
         "name": entry.name,
         "stage": entry.stage,
-        "offload": entry.offload,
+        "offload": entry.offload if isinstance(entry.offload, str | None) else str(entry.offload),
+        "chunk": entry.chunk,
+        "precision": entry.precision,
         "layers": layers,
         "params": base + layers * per_layer,
         "peak_bytes": seen[layers],
+        "xla_peak_bytes": compiled[layers].xla_peak,
         "host_bytes": compiled[layers].host,
         "next_layers": layers + 1,
         "next_params": base + (layers + 1) * per_layer,
         "next_peak_bytes": seen[layers + 1],
         "estimate_params": int(full),
+        "estimate_error": int(full) / (base + layers * per_layer) - 1,
         "estimate_params_model_states": int(states_only),
         "compiles": len(seen),
     }
@@ -359,7 +418,7 @@ def bench_max_model(
         "seq_len": args.seq_len,
         "vocab": args.vocab,
         "batch": batch,
-        "dtype": "float32",
+        "dtype": "float32; the _bf16 entries bfloat16 with fp32 master weights",
         "optimizer": optimizer,
         "params_base": family_params(args, 1) - per_layer,  # embeddings, final LayerNorm
         "params_per_layer": per_layer,
@@ -402,9 +461,10 @@ def bench_max_model(
         "device_bytes_limit": limit,
         "family": family,
         "estimate": (
-            "estimate_params: jzero.max_params(precision='fp32', offload=the entry's, "
-            "largest_layer_params=one block, activation_bytes=2 x "
-            "transformer_activation_bytes(checkpointing=True) at the found layers); "
+            "estimate_params: jzero.max_params(precision='fp32' or 'mixed' (bf16), "
+            "offload=the entry's, largest_layer_params=one block, activation_bytes="
+            "transformer_activation_bytes(checkpointing=True) at the found layers, x2 in "
+            "fp32); estimate_error: estimate_params / params - 1; "
             "estimate_params_model_states: model states only"
         ),
         "stages": stages,
@@ -416,11 +476,12 @@ def bench_max_model(
             else None
         ),
         "offload": _offload_ratios(by_name),
+        "estimate_check": _estimate_check(stages),
         "search_seconds": seconds["search"],
     }
 
 
-CPU_NOTE = "cpu: host memory is the same RAM, so only a GPU can show the target"
+CPU_NOTE = "cpu: host memory is the same RAM, so only a GPU can time it"
 
 
 def max_model_table(mm: dict[str, Any], *, platform: str) -> str:
@@ -433,16 +494,17 @@ def max_model_table(mm: dict[str, Any], *, platform: str) -> str:
         f"({mm['budget_bytes'] / 1e6:,.1f} MB) per device, {mm['devices']} devices"
     )
     rows = [(
-        "run", "layers", "params", "peak MB", "L+1 peak MB", "host MB", "estimate",
-        "states-only est.",
+        "run", "layers", "params", "device peak MB", "L+1 MB", "host peak MB", "XLA peak MB",
+        "estimate", "est. error",
     )]  # fmt: skip
     for s in mm["stages"]:
         rows.append((
             s["name"], str(s["layers"]), f"{s['params']:,}", f"{s['peak_bytes'] / 1e6:,.2f}",
             f"{s['next_peak_bytes'] / 1e6:,.2f}", f"{s['host_bytes'] / 1e6:,.2f}",
-            f"{s['estimate_params']:,}", f"{s['estimate_params_model_states']:,}",
+            f"{s['xla_peak_bytes'] / 1e6:,.2f}", f"{s['estimate_params']:,}",
+            f"{100 * s['estimate_error']:+.1f}%",
         ))  # fmt: skip
-    lines = [head, _table.table(rows, right=set(range(1, 8)))]
+    lines = [head, _table.table(rows, right=set(range(1, 9)))]
     if mm["train"] is not None:
         t = mm["train"]
         lines += ["", f"trained {t['steps']} steps after {t['warmup']} (median; random tokens)"]
@@ -462,13 +524,18 @@ def max_model_table(mm: dict[str, Any], *, platform: str) -> str:
             lines.append(f"- {text} (one device: every stage holds the same bytes)")
         else:
             lines.append(f"{'PASS' if ratio >= target else 'FAIL'} {text} >= {target:g}")
-    if (o := mm["offload"]) is not None:
-        text = f"zero3_offload params / zero3 params {o['params_ratio']:.2f} >= {OFFLOAD_PARAMS:g}"
-        if o["met"] is None:
-            lines.append(f"- {text}; time per token not measured (--max-model-train STEPS)")
-        else:
-            verdict = "PASS" if o["met"] else "FAIL"
-            t = o["ms_per_token_ratio"]
-            text = f"{verdict} {text} at time per token {t:.2f} x <= {OFFLOAD_TIME:g} x"
-            lines.append(text + (f" ({CPU_NOTE})" if platform == "cpu" else ""))
+    for o in mm["offload"]:
+        text = (
+            f"{o['offloaded']} params / {o['base']} params {o['params_ratio']:.2f} >= "
+            f"{o['target_params_ratio']:g}"
+        )
+        t = o["ms_per_token_ratio"]
+        if t is not None:
+            text += f" (time per token {t:.2f} x"
+            text += f"; {CPU_NOTE})" if platform == "cpu" else ")"
+        lines.append(f"{'PASS' if o['met'] else 'FAIL'} {text}")
+    if (e := mm["estimate_check"]) is not None:
+        verdict = "PASS" if e["met"] else "FAIL"
+        worst = f"{100 * e['errors'][e['worst']]:+.1f}% ({e['worst']})"
+        lines.append(f"{verdict} stage-3 estimates within {100 * e['tolerance']:g}%: worst {worst}")
     return "\n".join(lines)

@@ -227,7 +227,8 @@ def test_figures_are_generated_from_the_committed_json(tmp_path):
     for row, run in zip(rows, bench["runs"]):  # MB = 1e6, as the header says
         assert float(row[1].replace(",", "")) == round(run["model_state_bytes_per_device"] / 1e6, 1)
         assert float(row[4].replace(",", "")) == round(run["peak_bytes_per_device"] / 1e6, 1)
-        assert int(row[8]) == run["collectives_per_step"]
+        assert float(row[5].replace(",", "")) == round(run["device_peak_bytes_per_device"] / 1e6, 1)
+        assert int(row[9]) == run["collectives_per_step"]
     targets = (tmp_path / "bench_targets.md").read_text().splitlines()[1:-1]
     bench_script = figures._load_script("bench")
     assert targets == bench_script.checks(bench)  # the script's own checks, not typed

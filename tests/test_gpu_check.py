@@ -24,7 +24,7 @@ import gpu_check  # noqa: E402  (scripts/gpu_check.py)
 PARTS = {
     "offload": ["none", "streamed", "host_step", "host_step_params"],
     "mock8": ["overlap", "dp", "zero1", "zero2", "zero3"],
-    "offload_fixed": ["none", "host_step"],
+    "offload_fixed": ["none", "host_step", "streamed"],
 }
 MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "host_memory_bytes"}
 
@@ -117,11 +117,12 @@ def test_only_selects_pieces_and_parts_in_order_and_refuses_unknown_names():
         gpu_check._units("offload:host")
 
 
-def test_quick_runs_every_claim_once_within_eight_minutes():
+def test_quick_runs_every_claim_once_within_one_ten_minute_command():
     units = gpu_check._units(None, quick=True)
     assert units == [("n1", None), ("offload_fixed", "none"), ("offload_fixed", "host_step"),
-                     ("mock8", "overlap"), ("table2", None)]  # fmt: skip
-    assert sum(gpu_check.QUICK.values()) <= 8 * 60 - 30  # the machine probe and starts
+                     ("offload_fixed", "streamed"), ("mock8", "overlap"),
+                     ("table2", None)]  # fmt: skip
+    assert sum(gpu_check.QUICK.values()) <= 10 * 60 - 60  # the machine probe and starts
     with pytest.raises(ValueError, match="--quick runs its own units"):
         gpu_check._units("n1", quick=True)
 
@@ -132,6 +133,9 @@ def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
     fixed = doc["pieces"]["offload_fixed"]["parts"]
     assert fixed["none"]["host_bytes"] == 0 < fixed["host_step"]["host_bytes"]
     assert fixed["none"]["train"]["params"] == fixed["host_step"]["train"]["params"]
+    for mode in ("host_step", "streamed"):  # on CPU the replay: the state off the device
+        saved = fixed["none"]["compiled_peak_bytes"] - fixed[mode]["compiled_peak_bytes"]
+        assert saved >= 0.8 * fixed[mode]["host_bytes_at_rest"] > 0, mode
     stages = doc["pieces"]["table2"]["stages"]
     assert list(stages) == ["dp", "zero1", "zero2", "zero3"]
     layers = [stages[s]["layers"] for s in stages]
@@ -141,16 +145,28 @@ def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
 def test_fixed_offload_targets_compare_the_host_step_with_none():
     import gpu_offload
 
-    mode = lambda peak, ms: {"allocator_peak_bytes": peak,
-                             "train": {"params": 10**9, "step_ms_median": ms}}  # fmt: skip
+    def mode(peak, ms, compiled=None, at_rest=0):
+        return {"allocator_peak_bytes": peak, "compiled_peak_bytes": compiled or peak,
+                "host_bytes_at_rest": at_rest,
+                "train": {"params": 10**9, "step_ms_median": ms}}  # fmt: skip
+
     found = {t["name"]: t for t in gpu_offload.fixed_targets(
-        {"none": mode(100, 200.0), "host_step": mode(55, 280.0)})}  # fmt: skip
+        {"none": mode(100, 200.0), "host_step": mode(55, 280.0, compiled=60),
+         "streamed": mode(60, 300.0, at_rest=50)})}  # fmt: skip
     peak, time = found["offload fixed host_step peak"], found["offload fixed host_step time"]
     assert (peak["status"], peak["measured"]) == ("PASS", 0.55)
     assert (time["status"], time["measured"]) == ("PASS", 1.4)
+    streamed = found["offload fixed streamed peak"]  # saved 40 of the 50 it offloads
+    assert (streamed["status"], streamed["measured"]) == ("PASS", 0.8)
+    agree = found["offload fixed host_step allocator vs compiled"]  # 55 against 60
+    assert agree["status"] == "PASS" and agree["measured"] == pytest.approx(55 / 60 - 1)
     found = {t["name"]: t for t in gpu_offload.fixed_targets(
-        {"none": mode(100, 200.0), "host_step": mode(99, 520.0)})}  # fmt: skip
-    assert {t["status"] for t in found.values()} == {"FAIL"}
+        {"none": mode(100, 200.0), "host_step": mode(99, 520.0, compiled=80),
+         "streamed": mode(70, 300.0, at_rest=50)})}  # fmt: skip
+    assert found["offload fixed streamed peak"]["status"] == "FAIL"  # 0.6 x its state
+    assert found["offload fixed host_step allocator vs compiled"]["status"] == "FAIL"
+    assert found["offload fixed host_step peak"]["status"] == "FAIL"
+    assert found["offload fixed host_step time"]["status"] == "FAIL"
     found = gpu_offload.fixed_targets({"none": mode(None, 1.0), "host_step": mode(None, 1.0)})
     assert found[0]["reason"] == "skipped: no allocator statistics (CPU)"
 

@@ -23,6 +23,7 @@ MODES = {
     "host": jzero.Offload(optimizer="host"),
     "params": jzero.Offload(optimizer="host", params=True),
     "params_stream": jzero.Offload(optimizer="stream", params=True),
+    "params_only": jzero.Offload(params=True),
 }
 # The largest stored piece of state that streams through the device, in flight twice at
 # once (jzero.core.offload.update: piece k is copied in once piece k-2 is back): a [4, W/8,
@@ -123,13 +124,13 @@ def _report(stage: int, mode: str, mixed: bool) -> jzero.Report:
 
 @pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_without_offload_the_device_peak_is_at_most_xlas_own(stage, mixed):
-    """No host memory: the replay packs buffers as tightly as their live ranges allow, so
-    its peak is at most XLA's ``argument + output + temp - alias`` (to 0.1 %: a few hundred
-    bytes of small buffers XLA:CPU keeps apart), and XLA's buffer assignment packs within a
-    stated factor of it (measured: within 0.1 % here but for mixed precision at stage 2,
-    0.79 x, where XLA keeps a donated parameter's buffer for the result it will hold
-    instead of lending it to temporaries in between)."""
+def test_without_offload_the_device_peak_is_within_xlas_packing(stage, mixed):
+    """No host memory: the replay's peak against XLA's ``argument + output + temp -
+    alias`` for the same schedule. Measured on these programs: equal to 0.1 % but for
+    mixed precision at stage 2, 0.79 x, where XLA keeps a donated parameter's buffer for
+    the result it will hold instead of lending it to temporaries in between (on the
+    benchmark's GPT, 0.97-1.12 x: prefetch's loop carries the next layer, which XLA
+    packs tighter)."""
     rep = _report(stage, "none", mixed)
     assert rep.peak_bytes_by_space["pinned_host"] == 0
     assert 0.75 * rep.peak_bytes <= rep.peak_bytes_by_space["device"] <= 1.001 * rep.peak_bytes
@@ -138,7 +139,15 @@ def test_without_offload_the_device_peak_is_at_most_xlas_own(stage, mixed):
 @pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize(
     ("stage", "mode"),
-    [(2, "stream"), (2, "host"), (3, "stream"), (3, "host"), (3, "params"), (3, "params_stream")],
+    [
+        (2, "stream"),
+        (2, "host"),
+        (3, "stream"),
+        (3, "host"),
+        (3, "params"),
+        (3, "params_stream"),
+        (3, "params_only"),
+    ],
 )
 def test_offload_takes_what_rests_on_the_host_off_the_device_peak(stage, mode, mixed):
     """The device's peak falls by at least the bytes that rest in host memory, less two

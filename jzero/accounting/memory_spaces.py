@@ -365,10 +365,10 @@ def peak_by_space(hlo_text: str, memory: Any = None) -> dict[str, int]:
         (a GPU's or TPU's XLA), that analysis: its own figures are returned, ``argument +
         output + temp - alias`` and the ``host_*`` fields likewise (its buffer
         assignment's, which the allocator sees). None on XLA:CPU, whose analysis has one
-        memory: the replay of the schedule (:func:`replay`, the module's docstring). It
-        packs buffers as tightly as their live ranges allow, so without offload it is at
-        most XLA:CPU's peak (to 0.1 %; 0.79-1.0 x of it in the tests, 0.93-0.97 x on the
-        example GPT).
+        memory: the replay of the schedule (:func:`replay`, the module's docstring).
+        Without offload it is 0.79-1.12 x XLA:CPU's peak on the tested programs and the
+        benchmark's GPT: XLA packs some buffers less tightly than their live ranges
+        allow, and some loop carries tighter than the replay does.
 
     Raises:
       ValueError: ``hlo_text`` has no ENTRY computation.
