@@ -717,6 +717,8 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> 
         initial=start,
         total=args.steps,
         dynamic_ncols=True,
+        # Off a terminal (a log file, CI) every redraw is a line: one a minute, not 10 a second.
+        mininterval=0.1 if sys.stderr.isatty() else 60.0,
         disable=not jzero.distributed.is_main_process(),
     )
     # Multi-process: a lost peer ends every survivor with a message (and exit status 1)

@@ -71,22 +71,31 @@ def nnx_state(stage, **kw):
     return state, params
 
 
-def core_run(params, loss, stage, precision, steps=2):
-    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=stage, precision=precision)
+def core_run(params, loss, stage, precision, steps=2, offload=None):
+    opt = jzero.ZeroOptimizer(
+        optax.adam(1e-2), jzero.data_mesh(), stage=stage, precision=precision, offload=offload
+    )
     state, step = opt.init(params), opt.train_step(loss, has_aux=True)
     for i in range(steps):
         state, metrics = step(state, batch(i))
     return opt.full_state(state), metrics
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("precision", [None, BF16])
-def test_linen_equals_core(stage, precision):
-    state, params = linen_state(stage, precision=precision)
+HOST_STEP = jzero.Offload(optimizer="host")
+
+
+@pytest.mark.parametrize(
+    ("stage", "precision", "offload"),
+    [(1, None, None), (1, BF16, None), (3, None, None), (3, BF16, None), (3, BF16, HOST_STEP)],
+)
+def test_linen_equals_core(stage, precision, offload):
+    state, params = linen_state(stage, precision=precision, offload=offload)
     step = state.train_step(linen_loss, has_aux=True)
     for i in range(2):
         state, metrics = step(state, batch(i))
-    want, want_metrics = core_run(params, linen_loss, stage, precision)
+    want, want_metrics = core_run(params, linen_loss, stage, precision, offload=offload)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.zero.opt_state)}
+    assert kinds == ({"pinned_host"} if offload else {"device"})
     assert (state.zero.master is not None) == (precision is not None)
     got = state.opt.full_state(state.zero)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -95,10 +104,14 @@ def test_linen_equals_core(stage, precision):
     np.testing.assert_array_equal(metrics["aux"]["mse"], want_metrics["aux"]["mse"])
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("precision", [None, BF16])
-def test_nnx_equals_core(stage, precision):
-    state, params = nnx_state(stage, precision=precision)
+@pytest.mark.parametrize(
+    ("stage", "precision", "offload"),
+    [(1, None, None), (1, BF16, None), (3, None, None), (3, BF16, None), (3, BF16, HOST_STEP)],
+)
+def test_nnx_equals_core(stage, precision, offload):
+    state, params = nnx_state(stage, precision=precision, offload=offload)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.zero.opt_state)}
+    assert kinds == ({"pinned_host"} if offload else {"device"})
     step = state.train_step(nnx_loss, has_aux=True)
     for i in range(2):
         state, metrics = step(state, batch(i))
@@ -107,10 +120,10 @@ def test_nnx_equals_core(stage, precision):
     def loss(params, batch):
         return nnx_loss(nnx.merge(graphdef, params, rest), batch)
 
-    want, want_metrics = core_run(params, loss, stage, precision)
+    want, want_metrics = core_run(params, loss, stage, precision, offload=offload)
     assert (state.zero.master is not None) == (precision is not None)
     got = state.opt.full_state(state.zero)
-    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(g, w)
     np.testing.assert_array_equal(metrics["aux"]["mse"], want_metrics["aux"]["mse"])

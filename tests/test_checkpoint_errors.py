@@ -184,6 +184,10 @@ def test_a_closed_checkpointer_says_so(tmp_path):
     with pytest.raises(RuntimeError, match=closed):
         ckpt.restore(opt, awkward_params())
     assert Checkpointer(tmp_path).all_steps() == [1]
+    assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1  # listing needs no manager
+    missing = Checkpointer(tmp_path / "none")
+    missing.close()
+    assert missing.all_steps() == []
 
 
 def test_an_optax_transformation_or_a_state_in_the_wrong_place_is_refused(tmp_path):

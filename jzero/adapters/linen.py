@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from ..core.communication import Communication
 from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
+from ..core.offload.options import Offload
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
@@ -76,10 +77,12 @@ class TrainState:
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
         comm: Communication | None = None,
+        offload: Offload | str | None = None,
         layers: type[nn.Module] | tuple[type[nn.Module], ...] = (),
     ) -> TrainState:
         """Partitions ``variables['params']`` per stage; ``tx``, ``mesh``, ``stage``,
-        ``min_shard_size``, ``precision`` and ``comm`` as for :class:`jzero.ZeroOptimizer`.
+        ``min_shard_size``, ``precision``, ``comm`` and ``offload`` as for
+        :class:`jzero.ZeroOptimizer`.
 
         ``variables`` is ``model.init(...)``'s output; or ``init_fn`` returns it (e.g.
         ``functools.partial(model.init, key, x)``) and runs under ``jit`` with sharded
@@ -127,6 +130,7 @@ class TrainState:
             min_shard_size=min_shard_size,
             precision=precision,
             comm=comm,
+            offload=offload,
         )
         # opt.init copies model_state, so the donated step never deletes the caller's arrays.
         rest = lambda v: nn.unbox({k: c for k, c in v.items() if k != "params"})

@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from ..core.communication import Communication
 from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
+from ..core.offload.options import Offload
 from ..core.optimizer import ZeroOptimizer
 from ..core.plan import Stage
 from ..core.precision import Precision
@@ -84,10 +85,11 @@ class TrainState:
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         precision: Precision | None = None,
         comm: Communication | None = None,
+        offload: Offload | str | None = None,
         layers: type[nnx.Module] | tuple[type[nnx.Module], ...] = (),
     ) -> TrainState:
         """Splits ``model`` and partitions its ``nnx.Param`` state per stage; ``tx``,
-        ``mesh``, ``stage``, ``min_shard_size``, ``precision`` and ``comm`` as for
+        ``mesh``, ``stage``, ``min_shard_size``, ``precision``, ``comm`` and ``offload`` as for
         :class:`jzero.ZeroOptimizer`.
 
         ``param_specs`` (over the mesh's other axes, shaped like ``nnx.to_pure_dict`` of the
@@ -129,6 +131,7 @@ class TrainState:
             min_shard_size=min_shard_size,
             precision=precision,
             comm=comm,
+            offload=offload,
         )
         # opt.init copies model_state, so the donated step never deletes the model's arrays.
         # RNG keys stay typed keys: the step folds them per device (per_device_rng).

@@ -294,7 +294,14 @@ class Checkpointer:
     # ------------------------------------------------------------------------- reading
     def all_steps(self) -> list[int]:
         """The finished checkpoints' steps on disk, oldest first (also those written by
-        other writers; not yet verified); none when the directory does not exist."""
+        other writers; not yet verified); none when the directory does not exist. Also
+        after :meth:`close`: it only lists the directory."""
+        if self._closed:
+            if not os.path.isdir(self.directory):
+                return []
+            listing = ocp.CheckpointManagerOptions(read_only=True)
+            with ocp.CheckpointManager(self.directory, options=listing) as manager:
+                return sorted(manager.all_steps())
         manager = self._open(create=False)
         if manager is None:
             return []

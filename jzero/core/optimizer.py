@@ -2,7 +2,7 @@
 
 It validates the configuration and makes the :class:`Plan` for a parameter tree; init and
 export go to :mod:`.stored_form` with that plan, and ``train_step`` hands ``(tx, precision,
-loss_fn, mesh, stage)`` to :func:`.step.make_train_step`, whose step reads placement from
+loss_fn, mesh, stage)`` to :func:`.train_step.make_train_step`, whose step reads placement from
 ``state.plan`` alone. Nothing in the core calls back into this class.
 """
 

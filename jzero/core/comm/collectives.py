@@ -296,9 +296,9 @@ class Sharded:
         bucket: whether :func:`gather` sends this leaf with the others of its call (a
             layer) in one flat collective per dtype; static, the step's ``bucket``.
         quant: with ``gathers``, how the all-gather is quantized (:class:`.quantize.Quant`,
-            from ``Precision.gather_quant``), or None; static.
+            from ``Communication.gather_quant``), or None; static.
         grad_quant: how the backward reduce-scatter is quantized (from
-            ``Precision.grad_quant``), or None; static.
+            ``Communication.grad_quant``), or None; static.
         hpz: with ``gathers``, hpZ's group size G (:mod:`.hpz`: gathered across the groups
             into a secondary copy, then within the group), or None; static.
         secondary: with ``hpz``, this leaf's secondary copy if already gathered (e.g. kept

@@ -82,9 +82,9 @@ from ..mesh import DATA
 from .buckets import all_gather_flat, reduce_scatter_flat
 
 GATHER_QUANTS = ("int8", "fp8")
-"""The values ``Precision.gather_quant`` accepts besides None."""
+"""The values ``Communication.gather_quant`` accepts besides None."""
 GRAD_QUANTS = ("int8", "int4")
-"""The values ``Precision.grad_quant`` accepts besides None."""
+"""The values ``Communication.grad_quant`` accepts besides None."""
 FP8 = jnp.float8_e4m3fn
 """The wire dtype of fp8 gathers: 4 exponent bits, 3 mantissa bits, no infinities."""
 FP8_MAX = 448.0
