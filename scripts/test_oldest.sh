@@ -3,9 +3,10 @@
 # the lent GPU image's exact set, jax 0.11.2 on Python 3.12) in a fresh venv of its own:
 # the core numerics against Optax, the HLO collectives of every stage, Flax Linen/NNX,
 # per-layer gathering and prefetch, mixed precision, checkpoints, the host optimizer step
-# (compute_on's form changed in jax 0.11.1), the checks that name each JAX internal jzero
-# relies on and the moved-internal fallbacks, and the GPU check's CPU dry run
-# (test_gpu_check). scripts/test.sh runs everything on the newest.
+# (compute_on's form changed in jax 0.11.1), the compiled peak per memory space (it reads
+# XLA's HLO text), the checks that name each JAX internal jzero relies on and the
+# moved-internal fallbacks, and the GPU check's CPU dry run (test_gpu_check).
+# scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
@@ -15,5 +16,5 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     tests/test_versions.py tests/test_jax_internals.py tests/test_moved_internals.py \
     tests/test_parity.py tests/test_hlo_stages.py tests/test_flax.py tests/test_autogather.py \
     tests/test_prefetch.py tests/test_precision.py tests/test_checkpoint.py \
-    tests/test_offload_host_step.py "$@"
+    tests/test_offload_host_step.py tests/test_memory_spaces.py "$@"
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m '' tests/test_gpu_check.py "$@"

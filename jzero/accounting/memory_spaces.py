@@ -93,6 +93,7 @@ def _top_level(text: str) -> list[str]:
 
 
 def _parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str, str]:
+    """The computations' instructions in schedule order, the entry's name, the header."""
     comps: dict[str, list[_Instr]] = {}
     comp, entry = None, None
     for line in hlo_text.splitlines():
@@ -101,30 +102,30 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str, str]:
             comps[comp] = []
             entry = comp if h[1] else entry
         elif (m := _INSTR.match(line)) and comp is not None:
-            shape, tail = _split_shape(m[2])
-            opcode, _, rest = tail.partition("(")
-            args, depth = "", 1
-            for i, c in enumerate(rest):
-                depth += {"(": 1, ")": -1}.get(c, 0)
-                if depth == 0:
-                    args, rest = rest[:i], rest[i + 1 :]
-                    break
-            callees = [
-                c
-                for _, names in _CALLS.findall(rest)
-                for c in re.findall(r"[\w.\-]+", names.replace("%", ""))
-            ]
-            index = re.match(r"\s*(\d+)", args) if opcode == "parameter" else None
-            index = index or re.search(r"\bindex=(\d+)", rest)
-            comps[comp].append(
-                _Instr(
-                    m[1], opcode.strip(), _elements(shape), shape, tuple(_OPERANDS.findall(args)),
-                    tuple(callees), bool(_HOST_ATTR.search(rest)), int(index[1]) if index else -1,
-                )
-            )  # fmt: skip
+            comps[comp].append(_instruction(m[1], m[2]))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text()")
     return comps, entry, hlo_text[: hlo_text.find("\n")]
+
+
+def _instruction(name: str, text: str) -> _Instr:
+    """One instruction from what follows its ``name =``: shape, opcode(operands), attrs."""
+    shape, tail = _split_shape(text)
+    opcode, _, rest = tail.partition("(")
+    args, depth = "", 1
+    for i, c in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0:
+            args, rest = rest[:i], rest[i + 1 :]
+            break
+    names = " ".join(found for _, found in _CALLS.findall(rest)).replace("%", "")
+    callees = re.findall(r"[\w.\-]+", names)
+    index = re.match(r"\s*(\d+)", args) if opcode == "parameter" else None
+    index = index or re.search(r"\bindex=(\d+)", rest)
+    return _Instr(
+        name, opcode.strip(), _elements(shape), shape, tuple(_OPERANDS.findall(args)),
+        tuple(callees), bool(_HOST_ATTR.search(rest)), int(index[1]) if index else -1,
+    )  # fmt: skip
 
 
 def _entry_layout(header: str) -> tuple[list[str | None], list[str | None], set[int]]:
@@ -142,6 +143,20 @@ def _entry_layout(header: str) -> tuple[list[str | None], list[str | None], set[
                 results = [s for _, s in _elements(r)]
                 break
     return params, results, {int(p) for p in _DONATED.findall(header)}
+
+
+@dataclasses.dataclass
+class _Walk:
+    """One computation's replay so far: its values, and when each buffer lives."""
+
+    end: int  # the index after the last instruction
+    values: dict[str, list[frozenset[int]]] = dataclasses.field(default_factory=dict)
+    start: dict[int, int] = dataclasses.field(default_factory=dict)  # buffer -> first index
+    last: dict[int, int] = dataclasses.field(default_factory=dict)  # buffer -> last index
+    shadows: list[tuple[int, int, int, str]] = dataclasses.field(default_factory=list)
+    transient: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    reads: dict[tuple[int, str], list[int]] = dataclasses.field(default_factory=dict)
+    shares: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class _Sim:
@@ -165,74 +180,86 @@ class _Sim:
     def peak(self, comp, params, *, entry=False, results=(), donated=()) -> dict[str, int]:
         """Peak bytes per space while ``comp`` runs; ``params``: per parameter, per
         element, the buffers it is. The entry's parameters count (live throughout, as
-        their caller holds them), a called computation's are its caller's."""
+        their caller holds them; a donated one until its last read), a called
+        computation's are its caller's."""
         instrs = self.comps[comp]
-        values: dict[str, list[frozenset[int]]] = {}
-        start: dict[int, int] = {}  # buffer -> first index live
-        last: dict[int, int] = {}  # buffer -> last index live
-        shadows: list[tuple[int, int, int, str]] = []  # first, last, bytes, space
-        transient: dict[int, dict[str, int]] = {}
-        reads: dict[tuple[int, str], list[int]] = {}  # (buffer, reading space) -> indices
-        shares: list[tuple[int, int]] = []  # (operand buffer, index) its output may reuse
-        end = len(instrs)
+        walk = _Walk(len(instrs))
         for i, ins in enumerate(instrs):
-            here = HOST if ins.host and not self.one else DEVICE
-            operands = [values.get(o, []) for o in ins.operands]
-            if ins.opcode == "copy" and self._space(operands) == HOST:
-                here = HOST  # XLA:CPU's copy of a host value (e.g. a barrier's) stays there
+            operands = [walk.values.get(o, []) for o in ins.operands]
+            here = self._where(ins, operands)
             if ins.opcode == "parameter":
-                values[ins.name] = params[ins.index] if ins.index < len(params) else []
-                if entry:
-                    for b in set().union(*values[ins.name]):
-                        # a donated buffer is XLA's to reuse once read for the last time
-                        start[b], last[b] = -1, (i if ins.index in donated else end)
-            elif ins.opcode in _ALIASES:
-                values[ins.name] = self._alias(ins, operands)
-            elif (into := self._updated_in_place(ins)) and into[0] < len(operands):
-                values[ins.name] = list(operands[into[0]])  # writes into its operand's buffer
-                for b in set().union(*operands[into[0]]):
-                    if self.sizes[b][1] != here:  # only the update crosses
-                        shadows.append((i, i, into[1], here))
+                walk.values[ins.name] = params[ins.index] if ins.index < len(params) else []
+                if entry:  # a donated buffer is XLA's to reuse once read for the last time
+                    for b in set().union(*walk.values[ins.name]):
+                        walk.start[b], walk.last[b] = -1, i if ins.index in donated else walk.end
             else:
-                values[ins.name] = [  # a constant lives in the executable, as XLA counts
-                    frozenset({self.new(0 if ins.opcode == "constant" else size, space or here)})
-                    for size, space in ins.elements
-                ]
-                if len(ins.elements) == 1:
-                    self.shapes[next(iter(values[ins.name][0]))] = ins.shape
-                for b in set().union(*values[ins.name]):
-                    start[b] = last[b] = i
-                    if self.sizes[b][1] != here:  # written across: held here while it runs
-                        shadows.append((i, i, self._written(ins, self.sizes[b][0]), here))
-                if ins.opcode == "copy" and len(ins.operands) == 1:
-                    (out,) = values[ins.name][0]
-                    self.copied[out] = set().union(*operands[0])
-                if ins.opcode in _IN_PLACE and len(ins.elements) == 1:
-                    shares += [(b, i) for vals in operands for e in vals for b in e]
-            written = self._updated_in_place(ins)
-            for k, vals in enumerate(operands):
-                for b in set().union(*vals):
-                    last[b] = max(last.get(b, i), i)
-                    if ins.opcode in _NO_READ or self.sizes[b][1] == here:
-                        continue
-                    if written and written[0] == k:
-                        continue  # written into where it rests (counted above)
-                    if (part := self._sliced(ins, k)) is not None:  # only a slice crosses
-                        shadows.append((i, i, part, here))
-                    else:
-                        reads.setdefault((b, here), []).append(i)
+                self._define(walk, i, ins, here, operands)
+            self._read(walk, i, ins, here, operands)
             if ins.callees and ins.opcode != "fusion":
-                transient[i] = self._nested(ins, operands)
-        root = values.get(instrs[-1].name, []) if instrs else []
+                walk.transient[i] = self._nested(ins, operands)
+        self._close(walk, instrs, entry, results)
+        return self._replay(walk, self._reused(walk.shares, walk.last, walk.values, instrs))
+
+    def _where(self, ins: _Instr, operands: list) -> str:
+        """The space ``ins`` runs in: XLA:CPU's copy of a host value stays there."""
+        if ins.host and not self.one:
+            return HOST
+        return HOST if ins.opcode == "copy" and self._space(operands) == HOST else DEVICE
+
+    def _define(self, walk: _Walk, i: int, ins: _Instr, here: str, operands: list) -> None:
+        """The buffers ``ins`` defines (or forwards), and what it holds across spaces."""
+        if ins.opcode in _ALIASES:
+            walk.values[ins.name] = self._alias(ins, operands)
+            return
+        if (into := self._updated_in_place(ins)) and into[0] < len(operands):
+            walk.values[ins.name] = list(operands[into[0]])  # writes into its operand's buffer
+            for b in set().union(*operands[into[0]]):
+                if self.sizes[b][1] != here:  # only the update crosses
+                    walk.shadows.append((i, i, into[1], here))
+            return
+        walk.values[ins.name] = [  # a constant lives in the executable, as XLA counts
+            frozenset({self.new(0 if ins.opcode == "constant" else size, space or here)})
+            for size, space in ins.elements
+        ]
+        for b in set().union(*walk.values[ins.name]):
+            walk.start[b] = walk.last[b] = i
+            if self.sizes[b][1] != here:  # written across: held here while it runs
+                walk.shadows.append((i, i, self._written(ins, self.sizes[b][0]), here))
+        if len(ins.elements) == 1:
+            (out,) = walk.values[ins.name][0]
+            self.shapes[out] = ins.shape
+            if ins.opcode == "copy" and len(operands) == 1:
+                self.copied[out] = set().union(*operands[0])
+            if ins.opcode in _IN_PLACE:
+                walk.shares += [(b, i) for vals in operands for e in vals for b in e]
+
+    def _read(self, walk: _Walk, i: int, ins: _Instr, here: str, operands: list) -> None:
+        """Extends the operands' lives to ``i``; a read across spaces needs a copy."""
+        written = self._updated_in_place(ins)
+        for k, vals in enumerate(operands):
+            for b in set().union(*vals):
+                walk.last[b] = max(walk.last.get(b, i), i)
+                if ins.opcode in _NO_READ or self.sizes[b][1] == here:
+                    continue
+                if written and written[0] == k:
+                    continue  # written into where it rests (counted by _define)
+                if (part := self._sliced(ins, k)) is not None:  # only a slice crosses
+                    walk.shadows.append((i, i, part, here))
+                else:
+                    walk.reads.setdefault((b, here), []).append(i)
+
+    def _close(self, walk: _Walk, instrs: list[_Instr], entry: bool, results) -> None:
+        """The root's buffers live to the end (the entry's returned in host memory are
+        marked so); a cross-space read's copy spans its first to its last read."""
+        root = walk.values.get(instrs[-1].name, []) if instrs else []
         for k, element in enumerate(root):
             for b in element:
-                last[b] = end
-                if entry and start.get(b, -1) >= 0 and k < len(results) and results[k] == HOST:
-                    self._return_on_host(b, start)
-        for (b, space), at in reads.items():
-            shadows.append((min(at), max(at), self.sizes[b][0], space))
-        reused = self._reused(shares, last, values, instrs)
-        return self._replay(start, last, shadows, transient, end, reused)
+                walk.last[b] = walk.end
+                host = k < len(results) and results[k] == HOST
+                if entry and host and walk.start.get(b, -1) >= 0:
+                    self._return_on_host(b, walk.start)
+        for (b, space), at in walk.reads.items():
+            walk.shadows.append((min(at), max(at), self.sizes[b][0], space))
 
     def _reused(self, shares, last, values, instrs) -> set[int]:
         """Operand buffers an in-place instruction's output takes over (XLA shares a
@@ -334,22 +361,24 @@ class _Sim:
             out = {s: max(out[s], inner[s]) for s in SPACES}
         return out
 
-    def _replay(self, start, last, shadows, transient, end, reused) -> dict[str, int]:
+    def _replay(self, walk: _Walk, reused: set[int]) -> dict[str, int]:
+        """The most bytes live at once per space, over the walk's events in order."""
         delta: dict[int, dict[str, int]] = {}
-        add = lambda at, space, n: delta.setdefault(at, dict.fromkeys(SPACES, 0)).__setitem__(
-            space, delta[at][space] + n
-        )
-        for b, first in start.items():
+
+        def add(at: int, space: str, n: int) -> None:
+            delta.setdefault(at, dict.fromkeys(SPACES, 0))[space] += n
+
+        for b, first in walk.start.items():
             size, space = self.sizes[b]
             add(first, space, size)
-            add(last[b] + (b not in reused), space, -size)
-        for first, final, size, space in shadows:
+            add(walk.last[b] + (b not in reused), space, -size)
+        for first, final, size, space in walk.shadows:
             add(first, space, size)
             add(final + 1, space, -size)
         live, peak = dict.fromkeys(SPACES, 0), dict.fromkeys(SPACES, 0)
-        for at in sorted(set(delta) | set(transient)):
+        for at in sorted(set(delta) | set(walk.transient)):
             live = {s: live[s] + delta.get(at, {}).get(s, 0) for s in SPACES}
-            extra = transient.get(at, {})
+            extra = walk.transient.get(at, {})
             peak = {s: max(peak[s], live[s] + extra.get(s, 0)) for s in SPACES}
         return peak
 
