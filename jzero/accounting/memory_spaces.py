@@ -436,7 +436,8 @@ def replay(hlo_text: str, one_memory: bool = False) -> dict[str, int]:
             if ins.opcode == "parameter":
                 space = spaces[ins.index] if ins.index < len(spaces) else None
                 params += [[]] * (ins.index + 1 - len(params))
-                params[ins.index] = [frozenset({sim.new(_bytes(ins), space or DEVICE)})]
+                b = sim.new(_bytes(ins), space or DEVICE)
+                params[ins.index], sim.shapes[b] = [frozenset({b})], ins.shape
         peak = sim.peak(entry, params, entry=True, results=results, donated=donated)
         if sim.returned == returned:
             return peak
