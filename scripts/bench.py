@@ -431,12 +431,13 @@ def run_auto_fsdp(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict
         params=psi, devices=n, stage=3, param_bytes=param_total / psi,
         grad_bytes=param_total / psi, opt_bytes=opt_total / psi,
     )  # fmt: skip
-    colls = collectives(compiled.as_text())
+    text = compiled.as_text()
+    colls = collectives(text)
     theory_comm = theory_comm_bytes(stage=3, param_bytes_S=param_total, devices=n)
     _, losses, times = _timed(step, (params, opt_state), batches, warmup)
     return _run_fields(
         run, losses, times, host=0, states=states, theory_states=theory_states, peak=peak,
-        spaces=of_compiled(compiled), comm=comm_bytes(colls), theory_comm=theory_comm,
+        spaces=of_compiled(compiled, text), comm=comm_bytes(colls), theory_comm=theory_comm,
         collectives=colls,
     )  # fmt: skip
 

@@ -36,7 +36,6 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from typing import Any
 
@@ -50,7 +49,6 @@ SPACES = (DEVICE, HOST)
 _ALIASES = {"get-tuple-element", "tuple", "bitcast", "opt-barrier", "while", "parameter"}
 _IN_PLACE = {"fusion", "add", "multiply", "subtract", "divide", "convert", "select", "copy"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
-_NO_READ = {"tuple", "get-tuple-element", "bitcast", "opt-barrier", "while", "parameter"}
 _HOST_ATTR = re.compile(r'_xla_compute_type="host"|op_name="[^"]*/compute_on/')
 _OPERANDS = re.compile(r"%([\w.\-]+)")
 _LAYOUT = re.compile(r"entry_computation_layout=\{(.*)\}")
@@ -162,19 +160,18 @@ class _Walk:
 class _Sim:
     """The replay of one computation's schedule, given its parameters' buffers."""
 
-    def __init__(self, comps: dict[str, list[_Instr]], results: dict[int, str], one: bool):
+    def __init__(self, comps: dict[str, list[_Instr]], on_host: frozenset[int]):
         self.comps = comps
-        self.one = one  # one memory: every buffer in device memory, as XLA:CPU has it
-        self.results = results  # buffer -> HOST: the entry returns it in host memory
+        self.on_host = on_host  # buffers the entry returns in host memory
         self.sizes: dict[int, tuple[int, str]] = {}  # buffer -> bytes, space
         self.shapes: dict[int, str] = {}  # buffer -> shape and layout (a single array's)
-        self.returned: dict[int, str] = {}  # what this replay found the entry returns
+        self.returned: set[int] = set()  # what this replay found the entry returns there
         self.copied: dict[int, set[int]] = {}  # a copy's buffer -> its operand's
         self.named: dict[str, dict[str, _Instr]] = {}  # computation -> its instructions
 
     def new(self, size: int, space: str) -> int:
         b = len(self.sizes)
-        self.sizes[b] = (size, DEVICE if self.one else self.results.get(b, space))
+        self.sizes[b] = (size, HOST if b in self.on_host else space)
         return b
 
     def peak(self, comp, params, *, entry=False, results=(), donated=()) -> dict[str, int]:
@@ -202,7 +199,7 @@ class _Sim:
 
     def _where(self, ins: _Instr, operands: list) -> str:
         """The space ``ins`` runs in: XLA:CPU's copy of a host value stays there."""
-        if ins.host and not self.one:
+        if ins.host:
             return HOST
         return HOST if ins.opcode == "copy" and self._space(operands) == HOST else DEVICE
 
@@ -239,7 +236,7 @@ class _Sim:
         for k, vals in enumerate(operands):
             for b in set().union(*vals):
                 walk.last[b] = max(walk.last.get(b, i), i)
-                if ins.opcode in _NO_READ or self.sizes[b][1] == here:
+                if ins.opcode in _ALIASES or self.sizes[b][1] == here:
                     continue
                 if written and written[0] == k:
                     continue  # written into where it rests (counted by _define)
@@ -279,7 +276,7 @@ class _Sim:
         it: XLA:CPU copies a value it built in place (chunks written into a fresh host
         buffer) into the result, where a GPU's XLA builds it in host memory."""
         while b not in self.returned and start.get(b, -1) >= 0:
-            self.returned[b] = HOST
+            self.returned.add(b)
             sources = self.copied.get(b, set())
             if len(sources) != 1:
                 break
@@ -402,35 +399,38 @@ def peak_by_space(hlo_text: str, memory: Any = None) -> dict[str, int]:
     Raises:
       ValueError: ``hlo_text`` has no ENTRY computation.
     """
-    if memory is None:
-        return replay(hlo_text)
+    return replay(hlo_text) if memory is None else _xla_figures(memory)
+
+
+def _xla_figures(memory: Any) -> dict[str, int]:
+    """``argument + output + temp - alias`` of a memory analysis, per space."""
     field = lambda name: int(getattr(memory, f"{name}_size_in_bytes", 0) or 0)
     device = field("argument") + field("output") + field("temp") - field("alias")
     host = field("host_argument") + field("host_output") + field("host_temp")
     return {DEVICE: device, HOST: host - field("host_alias")}
 
 
-def of_compiled(compiled: Any) -> dict[str, int]:
+def of_compiled(compiled: Any, hlo_text: str | None = None) -> dict[str, int]:
     """:func:`peak_by_space` of a ``jax.stages.Compiled``: XLA's figures where its
-    devices are not CPUs, else the replay."""
+    devices are not CPUs, else the replay (of ``hlo_text``, its ``as_text()``, if the
+    caller has it already)."""
     devices = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
-    on_cpu = any(d.platform == "cpu" for d in devices)
-    return peak_by_space(compiled.as_text(), None if on_cpu else compiled.memory_analysis())
+    if not any(d.platform == "cpu" for d in devices):
+        return _xla_figures(compiled.memory_analysis())
+    return replay(compiled.as_text() if hlo_text is None else hlo_text)
 
 
-@functools.lru_cache(maxsize=64)
-def replay(hlo_text: str, one_memory: bool = False) -> dict[str, int]:
-    """The peak per memory space of the replayed schedule (module docstring);
-    ``one_memory``: every buffer counted in device memory.
+def replay(hlo_text: str) -> dict[str, int]:
+    """The peak per memory space of the replayed schedule (module docstring).
 
     Raises:
       ValueError: ``hlo_text`` has no ENTRY computation.
     """
     comps, entry, header = _parse(hlo_text)
     spaces, results, donated = _entry_layout(header)
-    returned: dict[int, str] = {}
-    for _ in range(2):  # the second replay knows where the entry returns its buffers
-        sim = _Sim(comps, returned, one_memory)
+    returned: frozenset[int] = frozenset()
+    for _ in range(2):  # the second replay knows which buffers the entry returns on the host
+        sim = _Sim(comps, returned)
         params = []
         for ins in comps[entry]:
             if ins.opcode == "parameter":
@@ -441,7 +441,7 @@ def replay(hlo_text: str, one_memory: bool = False) -> dict[str, int]:
         peak = sim.peak(entry, params, entry=True, results=results, donated=donated)
         if sim.returned == returned:
             return peak
-        returned = sim.returned
+        returned = frozenset(sim.returned)
     return peak
 
 

@@ -342,7 +342,7 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         params_bytes_by_memory_kind=_bytes_by_memory_kind(state.params),
         hpz=hpz,
         secondary_bytes=param_total / hpz if hpz else 0.0,
-        peak_bytes_by_space=of_compiled(compiled),
+        peak_bytes_by_space=of_compiled(compiled, text),
     )
 
 
