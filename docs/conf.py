@@ -128,7 +128,7 @@ def _contexts(node) -> list[str]:
 
 
 def _resolve_internal(app, env, node, contnode):
-    """Docstrings name objects where they are defined (``jzero.core.zero_state.ZeroState``, or
+    """Docstrings name objects where they are defined (``jzero.core.plan.ZeroState``, or
     relative to their module); the reference documents them where they are exported
     (``jzero.ZeroState``): link there. A real jzero object or module the reference does
     not document (an internal module such as ``jzero.core.comm.quantize``, a type alias)

@@ -303,7 +303,7 @@ def layout_summary(state: jzero.ZeroState) -> str:
     p_sharded = sum(lay.sharded for lay in plan.layouts)
     o_sharded = sum(lay.sharded for lay in plan.opt_layouts)
     mib = lambda b: f"{b / 2**20:.2f} MiB"
-    where = " in pinned host memory" if plan.offloads else ""
+    where = " in pinned host memory" if plan.config.offload.optimizer is not None else ""
     params_where = " in pinned host memory" if plan.offloads_params else ""
     return (
         f"stage {plan.stage} on {plan.data_size} devices: "

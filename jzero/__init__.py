@@ -19,19 +19,21 @@ from .accounting.report import Report as Report
 from .accounting.report import report as report
 from .checkpoint import Checkpointer as Checkpointer
 from .config.deepspeed import from_deepspeed_config as from_deepspeed_config
-from .core.comm.collectives import Sharded as Sharded
-from .core.comm.collectives import gather as gather
-from .core.communication import Communication as Communication
+from .core.comm.gatherer import Sharded as Sharded
+from .core.comm.gatherer import gather as gather
 from .core.gather.remat import remat_layer as remat_layer
 from .core.leaf_layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
 from .core.mesh import hybrid_mesh as hybrid_mesh
-from .core.offload.options import Offload as Offload
 from .core.optimizer import ZeroOptimizer as ZeroOptimizer
+from .core.options.communication import Communication as Communication
+from .core.options.layout import Layout as Layout
+from .core.options.offload import Offload as Offload
+from .core.options.precision import Precision as Precision
+from .core.options.step import StepOptions as StepOptions
+from .core.options.zero_config import ZeroConfig as ZeroConfig
 from .core.plan import Plan as Plan
-from .core.precision import Precision as Precision
-from .core.step_options import StepOptions as StepOptions
+from .core.plan import ZeroState as ZeroState
 from .core.weighted import Weighted as Weighted
-from .core.zero_state import ZeroState as ZeroState
 
 __version__ = "0.1.0"

@@ -143,7 +143,7 @@ def test_min_shard_size_default_and_passed_through(make):
 def test_both_steps_refuse_a_consumed_state_and_lower(make, loss):
     state, _ = make(2)
     step = state.train_step(loss, has_aux=True)
-    assert type(step) is jzero.adapters.adapter_step.AdapterStep
+    assert type(step) is jzero.adapters.shared.AdapterStep
     hlo = step.lower(state, batch()).compile().as_text()
     assert "reduce-scatter" in hlo
     new, _ = step(state, batch())

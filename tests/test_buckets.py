@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import jzero
 from jzero.accounting import collectives
 from jzero.core.comm.buckets import all_gather_flat, reduce_scatter_flat
-from jzero.core.comm.collectives import all_gather, reduce_scatter
+from jzero.core.comm.collectives import all_gather
+from jzero.core.comm.reducer import reduce_scatter
 from jzero.core.leaf_layout import leaf_layout
 
 N = 8

@@ -132,7 +132,10 @@ def test_zero3_offload_example_is_zero3_with_the_optimizer_in_host_memory():
     assert ds.offload == OFFLOAD and plain.offload is None
     assert (ds.stage, ds.precision, ds.min_shard_size) == (3, plain.precision, plain.min_shard_size)
     opt = ds.optimizer(jzero.data_mesh())
-    assert opt.offload == OFFLOAD and opt.plan(_models.awkward_params()).offloads
+    assert (
+        opt.offload == OFFLOAD
+        and opt.plan(_models.awkward_params()).config.offload.optimizer is not None
+    )
 
 
 # ------------------------------------------------------------------ optimizer and clipping

@@ -1,5 +1,5 @@
 """Meshes as JAX builds them: ``jax.make_mesh`` gives ``AxisType.Explicit`` axes, often used
-under ``jax.set_mesh``. jzero computes on the mesh's ``Auto`` twin (``jzero.core.mesh_types``)
+under ``jax.set_mesh``. jzero computes on the mesh's ``Auto`` twin (``jzero.core.axis_types``)
 and hands back arrays typed with the user's mesh: the numbers are single-device Optax's and
 bit for bit those of the same run on an ``Auto`` mesh, and the compiled step holds the same
 collectives and memory."""

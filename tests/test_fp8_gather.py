@@ -41,8 +41,9 @@ from jax.sharding import PartitionSpec as P
 import jzero
 from jzero.accounting import collectives, comm_bytes
 from jzero.core.comm.collectives import all_gather
-from jzero.core.comm.quantize import Quant, dequantize, quantize, quantized_all_gather
+from jzero.core.comm.quantize import dequantize, quantize, quantized_all_gather
 from jzero.core.leaf_layout import leaf_layout
+from jzero.core.options.communication import Quant
 
 N = 8
 FP8 = jzero.Communication(gather_quant="fp8")

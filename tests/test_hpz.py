@@ -31,9 +31,10 @@ from jax.sharding import PartitionSpec as P
 import jzero
 from jzero import Communication
 from jzero.accounting.estimate import ACROSS, WITHIN, estimate, theory_comm_bytes_hpz
-from jzero.core.comm.collectives import Sharded
-from jzero.core.comm.quantize import Quant
+from jzero.core.comm.gatherer import Gatherer, Sharded
+from jzero.core.comm.reducer import Reducer
 from jzero.core.mesh import hybrid_mesh
+from jzero.core.options.communication import Quant
 
 RTOL, ATOL = 1e-6, 1e-6  # as tests/test_parity.py: fp32, sums in another order
 STEPS = 3
@@ -120,7 +121,7 @@ def _gathered(hpz, quant, bucket):
     def gather(*shards):
         sinks = [jnp.zeros_like(x) for x in shards]
         handles = [
-            Sharded(s, x, lay, gathers=True, bucket=bucket, quant=quant, hpz=hpz)
+            Sharded(s, x, lay, Gatherer(True, quant, bucket, hpz), Reducer(s.dtype))
             if lay.sharded
             else x  # the scalar
             for s, x, lay in zip(sinks, shards, lays)

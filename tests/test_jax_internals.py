@@ -341,7 +341,7 @@ def test_the_interpreter_re_runs_every_kind_exactly():
     """Each equation bound as traced, and each higher-order primitive rebuilt with its body
     re-run (rebind), give the function's own value and gradient, bit for bit."""
 
-    class RebindAll(interpret.Rules):
+    class RebindAll(interpret.Interpreter):
         def apply(self, eqn, values):
             return interpret.rebind(eqn, values, self) if eqn.kind in interpret.REBINDS else None
 
@@ -351,7 +351,7 @@ def test_the_interpreter_re_runs_every_kind_exactly():
     assert top >= {Kind.SCAN, Kind.WHILE, Kind.CALL, Kind.CUSTOM_VJP}
     assert nested >= {Kind.REMAT, Kind.COND}
     want = jax.jit(jax.value_and_grad(_everything, argnums=(0, 1)))(X, w)
-    for rules in (interpret.Rules(), RebindAll()):
+    for rules in (interpret.Interpreter(), RebindAll()):
         replay = lambda x, w, rules=rules: interpret.run(traced, [x, w], rules)[0]
         got = jax.jit(jax.value_and_grad(replay, argnums=(0, 1)))(X, w)
         np.testing.assert_array_equal(got[0], want[0])

@@ -29,7 +29,7 @@ import jzero
 from jzero.accounting import collectives
 from jzero.core.offload.chunks import cuts, elementwise
 from jzero.core.offload.split import split_update
-from jzero.core.plan import DEFAULT_OFFLOAD_CHUNK
+from jzero.core.options.offload import DEFAULT_OFFLOAD_CHUNK
 
 KERNEL = stacked_params()["layers"]["w"].shape  # (layers, width, width)
 LAYER = KERNEL[1] * KERNEL[2]  # elements of one layer's kernel: the chunk size here
@@ -122,7 +122,7 @@ def test_stacked_kernel_streams_one_chunk_per_layer_along_the_layer_axis():
     plan = state.plan
     kernel = next(i for i, s in enumerate(plan.params) if s.layout.shape == KERNEL)
     split = split_update(TXS["adam"], plan)
-    chunks = [cuts(split, b, plan, plan.offload_chunk) for b in split.buckets]
+    chunks = [cuts(split, b, plan, plan.config.offload.stream_chunk) for b in split.buckets]
     assert [c is not None for c in chunks] == [i == kernel for i in range(len(plan.params))]
     assert chunks[kernel] == tuple((0, layer, 1) for layer in range(KERNEL[0]))
     assert plan.params[kernel].layout.dim != 0  # the shard axis is never cut
@@ -206,16 +206,12 @@ def test_offload_chunk_errors():
     for optimizer in (None, "host"):
         with pytest.raises(ValueError, match="only optimizer='stream' does"):
             jzero.Offload(optimizer=optimizer, chunk=LAYER)
-    moved = re.escape(
-        f"ZeroOptimizer(offload_chunk={LAYER}): the chunk size is an offload option now; "
-        f"pass offload=jzero.Offload(optimizer='stream', chunk={LAYER})."
-    )
-    with pytest.raises(TypeError, match=f"^{moved}$"):
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['offload_chunk'\]"):
         jzero.ZeroOptimizer(TXS["adam"], jzero.data_mesh(), stage=1, offload_chunk=LAYER)
     plan = _opt(TXS["adam"], stage=1, chunk=None).plan(stacked_params())
-    assert plan.offload_chunk == DEFAULT_OFFLOAD_CHUNK
+    assert plan.config.offload.stream_chunk == DEFAULT_OFFLOAD_CHUNK
     plan = _opt(TXS["adam"], stage=1, chunk=None, offload=None).plan(stacked_params())
-    assert plan.offload_chunk is None
+    assert plan.config.offload.stream_chunk is None
 
 
 def test_estimate_bounds_the_streamed_state_by_the_chunk():

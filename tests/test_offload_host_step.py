@@ -62,7 +62,7 @@ def _full(opt, state):
 )
 def test_host_step_places_the_state_on_host_and_matches_the_device_run(stage, tx):
     opt, state, losses = _run(stage, tx, ON_HOST)
-    assert state.plan.host_step and state.plan.offload == ON_HOST
+    assert state.plan.config.offload.optimizer == "host" and state.plan.config.offload == ON_HOST
     assert memory_kinds((state.opt_state, state.master)) == {HOST}
     assert memory_kinds(state.params) == {"device"}
     _, plain, plain_losses = _run(stage, tx, None)

@@ -165,6 +165,29 @@ def test_one_jaxpr_interpreter():
     assert binders == {f"{INTERNAL}.interpret"}
 
 
+_JAXPR_PARTS = {"invars", "outvars", "constvars", "make_jaxpr"}
+"""A jaxpr's variables and its tracing: read through ``jzero.internal.equation``'s helpers
+(``inputs``, ``outputs``, ``environment``, ``defined``, ``trace``) everywhere else."""
+
+
+def _jaxpr_parts(tree: ast.Module) -> set[str]:
+    found = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    found |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return found & _JAXPR_PARTS
+
+
+def test_jaxprs_are_read_through_the_boundary():
+    """Outside jzero.internal no module reads a jaxpr's variables or traces one itself."""
+    modules = _modules()
+    outside = {
+        name: parts
+        for name, tree in modules.items()
+        if not name.startswith(INTERNAL) and (parts := _jaxpr_parts(tree))
+    }
+    assert outside == {}, f"jaxprs read outside {INTERNAL} (use its helpers): {outside}"
+    assert _jaxpr_parts(modules[f"{INTERNAL}.equation"]) == _JAXPR_PARTS  # the check sees them
+
+
 def test_the_boundary_imports_nothing_else_from_jzero():
     """jzero.internal is a leaf: the rest of jzero builds on it, never the other way."""
     graph = _imports()

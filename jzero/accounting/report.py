@@ -20,9 +20,8 @@ import jax
 import numpy as np
 
 from .._table import table
-from ..core.checks import check_live
-from ..core.plan import Plan
-from ..core.zero_state import ZeroState
+from ..core.input_checks import check_live
+from ..core.plan import Plan, ZeroState
 from .estimate import (
     ACROSS,
     WITHIN,

@@ -26,18 +26,13 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from ..core.communication import Communication
-from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
-from ..core.offload.options import Offload
 from ..core.optimizer import ZeroOptimizer
-from ..core.plan import Stage
-from ..core.precision import Precision
-from ..core.rules import Rules
-from ..core.step_options import StepOptions, step_options
-from ..core.zero_state import ZeroState
-from .adapter_step import AdapterStep, adapter_options
+from ..core.options.step import StepOptions, step_options
+from ..core.options.zero_config import ZeroConfig, zero_config
+from ..core.plan import ZeroState
 from .linen_layers import by_layer, layer_classes
+from .shared import AdapterStep, adapter_optimizer, adapter_options
 from .specs import linen_specs
 
 
@@ -69,20 +64,16 @@ class TrainState:
         apply_fn: Callable[..., Any],
         tx: optax.GradientTransformation,
         mesh: Mesh,
-        stage: Stage,
         variables: Mapping[str, Any] | None = None,
         init_fn: Callable[[], Mapping[str, Any]] | None = None,
-        param_specs: Any = None,
-        rules: Rules | None = None,
-        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
-        precision: Precision | None = None,
-        comm: Communication | None = None,
-        offload: Offload | str | None = None,
         layers: type[nn.Module] | tuple[type[nn.Module], ...] = (),
+        config: ZeroConfig | None = None,
+        **options: Any,
     ) -> TrainState:
-        """Partitions ``variables['params']`` per stage; ``tx``, ``mesh``, ``stage``,
-        ``min_shard_size``, ``precision``, ``comm`` and ``offload`` as for
-        :class:`jzero.ZeroOptimizer`.
+        """Partitions ``variables['params']`` per stage; ``tx``, ``mesh``, and ``config``
+        (a :class:`jzero.ZeroConfig`), or in its place the keyword options ``stage``,
+        ``param_specs``, ``rules``, ``min_shard_size``, ``precision``, ``comm`` and
+        ``offload``, as for :class:`jzero.ZeroOptimizer`.
 
         ``variables`` is ``model.init(...)``'s output; or ``init_fn`` returns it (e.g.
         ``functools.partial(model.init, key, x)``) and runs under ``jit`` with sharded
@@ -120,18 +111,13 @@ class TrainState:
                 f"(found {found}). Pass the whole output of model.init(...) (e.g. {{'params': "
                 "..., 'batch_stats': ...}), not variables['params']."
             )
-        specs = linen_specs(abstract["params"], param_specs=param_specs, rules=rules, mesh=mesh)
-        param_specs = fit_specs(nn.unbox(abstract["params"]), specs, mesh)
-        opt = ZeroOptimizer(
-            tx,
-            mesh,
-            stage=stage,
-            param_specs=param_specs,
-            min_shard_size=min_shard_size,
-            precision=precision,
-            comm=comm,
-            offload=offload,
+        config = zero_config(config, options, what="jzero.linen.TrainState.create")
+        layout = config.layout
+        specs = linen_specs(
+            abstract["params"], param_specs=layout.param_specs, rules=layout.rules, mesh=mesh
         )
+        specs = fit_specs(nn.unbox(abstract["params"]), specs, mesh)
+        opt = adapter_optimizer(tx, mesh, config, specs)
         # opt.init copies model_state, so the donated step never deletes the caller's arrays.
         rest = lambda v: nn.unbox({k: c for k, c in v.items() if k != "params"})
         if variables is None:
@@ -166,7 +152,7 @@ class TrainState:
         counter kept beside them (the key comes back unfolded, the counter agreed).
         """
         with_state = bool(self.model_state)
-        options = step_options(options, kwargs)
+        options = step_options(options, kwargs, default=self.opt.config.step)
         if self.layers:
             loss_fn, options = by_layer(loss_fn, self.layers), replace(options, manual_gather=True)
 

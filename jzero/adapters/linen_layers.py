@@ -16,9 +16,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from ..core.comm.collectives import Sharded, gather
+from ..core.comm.gatherer import Sharded, gather
 from ..core.gather.remat import remat_layer
-from .classes import layer_classes as _classes
+from .shared import layer_classes as _classes
 
 _is_sharded = lambda x: isinstance(x, Sharded)
 

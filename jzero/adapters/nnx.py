@@ -34,21 +34,16 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from ..core.communication import Communication
-from ..core.leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..core.mesh import fit_specs
-from ..core.offload.options import Offload
 from ..core.optimizer import ZeroOptimizer
-from ..core.plan import Stage
-from ..core.precision import Precision
-from ..core.rules import Rules
-from ..core.step_options import StepOptions, step_options
-from ..core.zero_state import ZeroState
-from .adapter_step import AdapterStep, adapter_options
+from ..core.options.step import StepOptions, step_options
+from ..core.options.zero_config import ZeroConfig, zero_config
+from ..core.plan import ZeroState
 from .nnx_layers import by_layer, check_layers, layer_classes
 from .nnx_remat import gathered as gathered
 from .nnx_remat import is_sharded, split
 from .nnx_remat import remat_layer as remat_layer
+from .shared import AdapterStep, adapter_optimizer, adapter_options
 from .specs import nnx_specs
 
 
@@ -79,18 +74,14 @@ class TrainState:
         *,
         tx: optax.GradientTransformation,
         mesh: Mesh,
-        stage: Stage,
-        param_specs: Any = None,
-        rules: Rules | None = None,
-        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
-        precision: Precision | None = None,
-        comm: Communication | None = None,
-        offload: Offload | str | None = None,
         layers: type[nnx.Module] | tuple[type[nnx.Module], ...] = (),
+        config: ZeroConfig | None = None,
+        **options: Any,
     ) -> TrainState:
         """Splits ``model`` and partitions its ``nnx.Param`` state per stage; ``tx``,
-        ``mesh``, ``stage``, ``min_shard_size``, ``precision``, ``comm`` and ``offload`` as for
-        :class:`jzero.ZeroOptimizer`.
+        ``mesh``, and ``config`` (a :class:`jzero.ZeroConfig`), or in its place the keyword
+        options ``stage``, ``param_specs``, ``rules``, ``min_shard_size``, ``precision``,
+        ``comm`` and ``offload``, as for :class:`jzero.ZeroOptimizer`.
 
         ``param_specs`` (over the mesh's other axes, shaped like ``nnx.to_pure_dict`` of the
         Params) default to the Params' ``nnx.with_partitioning`` metadata; stacked layers
@@ -117,22 +108,15 @@ class TrainState:
         tuples, and the loss may use their Params only by calling them. Raises TypeError for
         anything but Module classes, ValueError when ``model`` holds no instance of them.
         """
+        config = zero_config(config, options, what="jzero.nnx.TrainState.create")
         layers = layer_classes(layers)
         if layers:
             check_layers(model, layers)
         graphdef, params, rest = split(model)
         pure = nnx.to_pure_dict(params)
-        param_specs = nnx_specs(params, param_specs=param_specs, rules=rules, mesh=mesh)
-        opt = ZeroOptimizer(
-            tx,
-            mesh,
-            stage=stage,
-            param_specs=fit_specs(pure, param_specs, mesh),
-            min_shard_size=min_shard_size,
-            precision=precision,
-            comm=comm,
-            offload=offload,
-        )
+        layout = config.layout
+        specs = nnx_specs(params, param_specs=layout.param_specs, rules=layout.rules, mesh=mesh)
+        opt = adapter_optimizer(tx, mesh, config, fit_specs(pure, specs, mesh))
         # opt.init copies model_state, so the donated step never deletes the model's arrays.
         # RNG keys stay typed keys: the step folds them per device (per_device_rng).
         zero = opt.init(pure, model_state=nnx.to_pure_dict(rest))
@@ -185,7 +169,7 @@ class TrainState:
         ``axis_name``: the model's name for the batch axis (``nnx.BatchNorm(axis_name=
         'batch')``), mapped onto jzero's batch axes.
         """
-        options = step_options(options, kwargs)
+        options = step_options(options, kwargs, default=self.opt.config.step)
         if self.layers:
             loss_fn, options = by_layer(loss_fn, self.layers), replace(options, manual_gather=True)
 

@@ -17,9 +17,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..core.comm.collectives import Sharded, gather
-from .classes import layer_classes as _classes
+from ..core.comm.gatherer import Sharded, gather
 from .nnx_remat import remat_layer
+from .shared import layer_classes as _classes
 
 _is_sharded = lambda x: isinstance(x, Sharded)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from flax import nnx
 
-from ..core.comm.collectives import Sharded, gather
+from ..core.comm.gatherer import Sharded, gather
 from ..core.gather.remat import remat_layer as _remat_layer
 
 

@@ -29,12 +29,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..core.checks import check_live
 from ..core.checksum import checksums
+from ..core.input_checks import check_live
 from ..core.optimizer import ZeroOptimizer
-from ..core.plan import Plan
-from ..core.zero_state import ZeroState
-from .checks import check_extra, check_like, check_optimizer
+from ..core.plan import Plan, ZeroState
+from .argument_checks import check_extra, check_like, check_optimizer
 from .errors import (
     CheckpointError,
     CheckpointMismatchError,

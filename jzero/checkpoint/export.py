@@ -38,13 +38,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.checks import check_live
+from ..core.axis_types import on_compute_mesh
+from ..core.input_checks import check_live
 from ..core.leaf_layout import unpad
-from ..core.mesh_types import on_compute_mesh
 from ..core.optimizer import ZeroOptimizer
-from ..core.plan import Stored
-from ..core.zero_state import ZeroState
-from .checks import check_optimizer
+from ..core.plan import Stored, ZeroState
+from .argument_checks import check_optimizer
 from .names import leaf_names
 
 _METADATA = "__metadata__"

@@ -14,8 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.plan import Plan, Stored
-from ..core.zero_state import ZeroState
+from ..core.plan import Plan, Stored, ZeroState
 from .errors import CheckpointError as CheckpointError
 from .names import leaf_names
 

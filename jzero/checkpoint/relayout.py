@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..core.mesh_types import on_compute_mesh
-from ..core.plan import Plan, Stored
-from ..core.precision import LossScale, Precision
+from ..core.axis_types import on_compute_mesh
+from ..core.options.precision import LossScale, Precision
+from ..core.plan import Plan, Stored, ZeroState
 from ..core.stored_form import state_shardings, store, view
-from ..core.zero_state import ZeroState
 from .format import array_target, leaf_key, weights_stored
 from .names import leaf_names, unflatten_names
 

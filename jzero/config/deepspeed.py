@@ -21,11 +21,13 @@ from typing import Any, NamedTuple
 import optax
 from jax.sharding import Mesh
 
-from ..core.communication import Communication
-from ..core.offload.options import Offload
 from ..core.optimizer import ZeroOptimizer
-from ..core.plan import Stage
-from ..core.precision import Precision
+from ..core.options.communication import Communication
+from ..core.options.layout import Layout
+from ..core.options.offload import Offload
+from ..core.options.precision import Precision
+from ..core.options.step import StepOptions
+from ..core.options.zero_config import Stage, ZeroConfig
 from .auto import fill_auto
 from .findings import Findings
 from .fp16_bf16 import COMMUNICATION, read_precision
@@ -153,6 +155,20 @@ class DeepSpeedOptions:
             )
         return BatchSizes(train, micro, k)
 
+    def config(self, *, param_specs: Any = None, grad_accum: int = 1) -> ZeroConfig:
+        """The run's :class:`jzero.ZeroConfig`: the config's stage, precision, comm, offload
+        and ``min_shard_size``, with ``param_specs`` (over the mesh's other axes) and the
+        step's ``grad_accum`` (e.g. :meth:`batch_sizes`'s)."""
+        size = {} if self.min_shard_size is None else {"min_shard_size": self.min_shard_size}
+        return ZeroConfig(
+            stage=self.stage,
+            layout=Layout(param_specs=param_specs, **size),
+            precision=self.precision,
+            comm=self.comm,
+            offload=self.offload,
+            step=StepOptions(grad_accum=grad_accum),
+        )
+
     def optimizer(
         self,
         mesh: Mesh,
@@ -160,9 +176,8 @@ class DeepSpeedOptions:
         tx: optax.GradientTransformation | None = None,
         param_specs: Any = None,
     ) -> ZeroOptimizer:
-        """A :class:`jzero.ZeroOptimizer` with the config's stage, precision, comm, offload and
-        ``min_shard_size``, around ``self.tx``, or around ``tx`` (after the config's
-        clipping) when the config has no ``optimizer``."""
+        """A :class:`jzero.ZeroOptimizer` with :meth:`config`, around ``self.tx``, or around
+        ``tx`` (after the config's clipping) when the config has no ``optimizer``."""
         if (tx is None) == (self.tx is None):
             raise ValueError(
                 'the DeepSpeed config has an "optimizer": call optimizer(mesh) without tx.'
@@ -170,17 +185,7 @@ class DeepSpeedOptions:
                 else 'the DeepSpeed config has no "optimizer": pass optimizer(mesh, tx=...).'
             )
         tx = self.tx if tx is None else clipped(self.gradient_clipping, tx)
-        extra = {} if self.min_shard_size is None else {"min_shard_size": self.min_shard_size}
-        return ZeroOptimizer(
-            tx,
-            mesh,
-            stage=self.stage,
-            precision=self.precision,
-            comm=self.comm,
-            offload=self.offload,
-            param_specs=param_specs,
-            **extra,
-        )
+        return ZeroOptimizer(tx, mesh, config=self.config(param_specs=param_specs))
 
 
 def from_deepspeed_config(

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from ..core.precision import Precision
+from ..core.options.precision import Precision
 from .keys import Key, Section, boolean, integer, no_effect, number, one_of, positive
 
 REDUCE_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
-from ..core.offload.options import Offload
+from ..core.options.offload import Offload
 from .keys import Key, Section, attempt, boolean, integer, no_effect, number, one_of, positive
 
 

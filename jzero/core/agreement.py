@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from .precision import Precision
+from .options.zero_config import ZeroConfig
 
 FIXES = {
     "stage": "start every process with the same stage=",
@@ -60,15 +60,15 @@ class Agreement:
     """A step's check that every process runs it with the same configuration.
 
     Args:
-        stage, mesh, precision: the step's.
-        options: the step's other options by name (values with a stable ``repr``).
+        config, mesh: the step's configuration and mesh.
     """
 
-    def __init__(self, *, stage: int, mesh: Mesh, precision: Precision, options: dict[str, Any]):
+    def __init__(self, config: ZeroConfig, mesh: Mesh):
+        options = {"options": config.step, "comm": config.comm, "offload": config.offload}
         self._static = {
-            "stage": str(stage),
+            "stage": str(config.stage),
             "mesh": _describe_mesh(mesh),
-            "precision": repr(precision),
+            "precision": repr(config.precision),
             "step options": ", ".join(f"{k}={v!r}" for k, v in options.items()),
         }
         self._agreed: set[Any] = set()

@@ -35,8 +35,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh
 
-from ..internal.equation import Equation, mentions
-from ..internal.interpret import REBINDS, Rules, bind, rebind, run
+from ..internal.equation import Equation, mentions, trace
+from ..internal.interpret import REBINDS, Interpreter, bind, rebind, run
 from ..internal.primitives import Kind, traced_varying_axes, varying_axes
 from ..internal.unbound_axes import unbound_axes
 
@@ -60,9 +60,8 @@ def aliased(fn: Callable, *, aliases: Sequence[str], axes: tuple[str, ...], size
     rules = _Aliasing({a: tuple(axes) for a in aliases})
 
     def call(*args: Any) -> Any:
-        closed, shape = jax.make_jaxpr(
-            fn, axis_env=[(a, size) for a in aliases], return_shape=True
-        )(*args)
+        env = [(a, size) for a in aliases]
+        closed, shape = trace(fn, *args, axis_env=env, return_shape=True)
         out = run(closed, jax.tree.leaves(args), rules)
         return jax.tree.unflatten(jax.tree.structure(shape), out)
 
@@ -84,7 +83,7 @@ def _renamed(names: Any, rename: dict[str, tuple[str, ...]]) -> Any:
     return tuple(out)
 
 
-class _Aliasing(Rules):
+class _Aliasing(Interpreter):
     """The rules of batch-axis aliases for jzero's interpreter: every collective over an
     alias runs over the axes it stands for, inside higher-order primitives too."""
 

@@ -35,7 +35,7 @@ def check_batch_sharding(batch: Any, mesh: Mesh) -> None:
 
     A single process can reshard any array exactly (the step does), so only a run of
     several processes is checked. Leaves that are not ``jax.Array`` are left to
-    :func:`jzero.core.checks.check_global_batch`, scalars to the step's batch check.
+    :func:`jzero.core.input_checks.check_global_batch`, scalars to the step's batch check.
     """
     if jax.process_count() == 1:
         return

@@ -7,15 +7,24 @@ every device (means of floats; max or sum of integers; PRNG keys never averaged)
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from . import rng
-from .comm.collectives import reduce_scatter
-from .comm.quantize import Quant
+from .comm.reducer import Reducer
 from .leaf_layout import LeafLayout
 from .mesh import DATA, REPLICA
 from .plan import Plan
+
+
+class Gradients(NamedTuple):
+    """The step's reduced gradients, in the forms the updaters read (:mod:`.updaters`)."""
+
+    reduced: Any  # as reduced: stored (padded) shards, reduce dtype, device memory
+    denominator: jax.Array  # scalar the reduced sums are divided by (devices x micro-batches)
+    averaged: Any  # reduced / denominator, fp32, true shapes, device memory
 
 
 def agree(x: jax.Array, axes) -> jax.Array:
@@ -42,14 +51,14 @@ def agree_aux(x: jax.Array, axes) -> jax.Array:
     return jax.lax.psum(x, axes)
 
 
-def reduce(plan: Plan, g: jax.Array, lay: LeafLayout, quant: Quant | None) -> jax.Array:
-    """Sum over the data group (all-reduce, or this device's reduce-scattered shard, sent
-    quantized with ``quant``), then, when hybrid, across replicas: an all-reduce of what
-    the data group left on the device."""
+def reduce(plan: Plan, g: jax.Array, lay: LeafLayout, reducer: Reducer) -> jax.Array:
+    """Sum over the data group (all-reduce, or this device's shard reduce-scattered by
+    ``reducer``), then, when hybrid, across replicas: an all-reduce of what the data group
+    left on the device."""
     if not lay.sharded:
         g = jax.lax.psum(g, DATA)  # stage 0, and small replicated leaves
-    elif not plan.partitions_grads:
-        g = reduce_scatter(g, lay, quant)  # P_os: once, after backward
+    elif not plan.config.partitions_grads:
+        g = reducer.scatter([g], [lay])[0]  # P_os: once, after backward
     # stages 2/3: reduce-scattered already, inside backward
     if plan.hybrid:
         g = jax.lax.psum(g, REPLICA)

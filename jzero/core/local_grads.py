@@ -30,16 +30,16 @@ from ..internal.unbound_axes import vmapped_collectives
 from ..internal.vmap_axes import without_vma_checks
 from . import rng
 from .axis_aliases import aliased, as_tuple, explain_unknown_axis
-from .comm.collectives import Sharded, after, gather_each, saves_no_gathered
-from .communication import Communication
+from .comm.collectives import after, saves_no_gathered
+from .comm.gatherer import Gatherer, Sharded, gather_each
+from .comm.reducer import Reducer
 from .gather.autogather import gather_where_used
 from .grad_reduction import agree, agree_aux, combine_micro, reduce
 from .leaf_layout import LeafLayout
 from .loss_protocol import check_loss, split_model_state
 from .mesh import DATA, REPLICA
+from .options.step import StepOptions
 from .plan import Plan
-from .precision import Precision
-from .step_options import StepOptions
 from .weighted import Weighted
 
 
@@ -56,13 +56,17 @@ def local_grads(
     plan: Plan,
     loss_fn: Callable,
     options: StepOptions,
-    precision: Precision,
-    comm: Communication,
+    gatherer: Gatherer,
+    reducer: Reducer,
     *,
     aliases: tuple[str, ...] = (),
 ):
     """The shard_map body: (params at rest, model state, loss scale, local batch) ->
     (loss, reduced gradients summed over devices and micro-batches, agreed model state, aux).
+
+    ``gatherer`` gathers the parameters where the loss uses them (stage 3) and ``reducer``
+    reduce-scatters their gradients (stages 1-3), as the step built them from its
+    configuration.
 
     The loss comes back as the mean over devices, or as a :class:`Weighted` of global sums
     when ``loss_fn`` returns one. ``aliases``: the model's names for the batch axes
@@ -72,8 +76,8 @@ def local_grads(
     call_loss = _loss_caller(plan, loss_fn, options, aliases)
 
     def body(params, model_state, scale, batch):
-        diff, wrap = _differentiated(plan, params, precision, comm)
-        local_loss = _local_loss(plan, call_loss, wrap, scale, options, comm)
+        diff, wrap = _differentiated(plan, params, gatherer, reducer)
+        local_loss = _local_loss(plan, call_loss, wrap, scale, options, gatherer)
         grad_fn = jax.grad(local_loss, has_aux=True)
         # keys stay invariant: the same on every device, folded per device in call_loss
         model_state = jax.tree.map(lambda x: x if rng.is_key(x) else _varying(x, axes), model_state)
@@ -83,12 +87,11 @@ def local_grads(
             grads, (loss, model_state, aux) = _accumulated(
                 grad_fn, diff, model_state, batch, options.grad_accum, axes
             )
-        grads = [g.astype(precision.reduce_dtype) for g in grads]
-        if plan.partitions_opt_state and not plan.partitions_grads:
+        grads = [g.astype(reducer.dtype) for g in grads]
+        if plan.config.partitions_opt_state and not plan.config.partitions_grads:
             # P_os alone: the whole local gradient exists before any of it is reduced
             grads = after(grads, [g.reshape(-1)[:1] for g in grads])
-        quant = comm.grad_quantizer
-        grads = [reduce(plan, g, lay, quant) for g, lay in zip(grads, plan.layouts)]
+        grads = [reduce(plan, g, lay, reducer) for g, lay in zip(grads, plan.layouts)]
         model_state = jax.tree.map(lambda x: agree(x, axes), model_state)
         aux = jax.tree.map(lambda x: agree_aux(x, axes), aux)
         if isinstance(loss, Weighted):
@@ -165,37 +168,28 @@ def _loss_caller(plan: Plan, loss_fn: Callable, options: StepOptions, aliases) -
     return call_loss
 
 
-def _differentiated(plan: Plan, params, precision: Precision, comm: Communication):
+def _differentiated(plan: Plan, params, gatherer: Gatherer, reducer: Reducer):
     """What backward differentiates, and how the loss sees it: ``(diff, wrap)``.
 
     Stages 2/3 differentiate zero "sinks" that receive the reduce-scattered gradients; the
     parameters enter the loss through :class:`Sharded` handles (``wrap``). Stages 0/1
     differentiate a varying copy of each parameter."""
     axes, leaves = plan.batch_axes, jax.tree.leaves(params)
-    if not plan.partitions_grads:
+    if not plan.config.partitions_grads:
         return [_varying(x, axes) for x in leaves], lambda d: d
-    sink = lambda lay: _varying(jnp.zeros(_local_shape(lay), precision.reduce_dtype), axes)
+    sink = lambda lay: _varying(jnp.zeros(_local_shape(lay), reducer.dtype), axes)
     diff = [sink(lay) if lay.sharded else _varying(x, axes) for x, lay in zip(leaves, plan.layouts)]
     if plan.hybrid:  # varying over 'replica' like the batch, so that the
         # cotangent reaching the handle is this device's alone (no implicit psum)
         leaves = [jax.lax.pcast(x, REPLICA, to="varying") for x in leaves]
-    handle = lambda s, x, lay: Sharded(
-        s,
-        x,
-        lay,
-        gathers=plan.partitions_params,
-        bucket=comm.bucket,
-        quant=comm.gather_quantizer,
-        grad_quant=comm.grad_quantizer,
-        hpz=comm.hpz,
-    )
+    handle = lambda s, x, lay: Sharded(s, x, lay, gatherer, reducer)
     wrap = lambda d: [
         handle(s, x, lay) if lay.sharded else s for s, x, lay in zip(d, leaves, plan.layouts)
     ]
     return diff, wrap
 
 
-def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, comm: Communication):
+def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Gatherer):
     """``local_loss(diff, model_state, batch) -> (scaled loss, (loss, model_state, aux))``,
     gathering stage 3's parameters where they are used unless the loss gathers itself."""
 
@@ -203,8 +197,10 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, comm: Commun
         p = jax.tree.unflatten(plan.params_def, wrap(d))
         if options.manual_gather:
             run = call_loss
-        elif plan.partitions_params:  # gather each parameter where it is used
-            run = gather_where_used(call_loss, prefetch=comm.prefetch, policy=options.remat_policy)
+        elif plan.config.partitions_params:  # gather each parameter where it is used
+            run = gather_where_used(
+                call_loss, prefetch=gatherer.prefetch, policy=options.remat_policy
+            )
         else:  # leaf by leaf: stage 2 reduce-scatters each where backward completes it
             run = lambda p, *rest: call_loss(gather_each(p), *rest)
         loss, model_state, aux = run(p, model_state, micro_batch)
@@ -213,7 +209,7 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, comm: Commun
         loss = loss.astype(jnp.float32)
         return loss * scale, (loss, model_state, aux)
 
-    if plan.partitions_params and not options.manual_gather and options.remat_policy is None:
+    if plan.config.partitions_params and not options.manual_gather and options.remat_policy is None:
         # Keep every activation but no gathered parameter, so backward gathers again
         # (per layer inside scans). With manual_gather the user's per-layer remat
         # (jax.checkpoint / nn.remat around the layer that calls jzero.gather)

@@ -8,16 +8,17 @@ from typing import Any
 
 import jax
 
-from .plan import HOST, NO_OFFLOAD, Offload, Stored
-from .zero_state import ZeroState
+from .options.offload import HOST, NO_OFFLOAD, Offload
+from .plan import Stored, ZeroState
 
 
 def check_state_offload(state: ZeroState, offload: Offload) -> None:
     """``state`` was made by an optimizer with this ``offload`` (the step's check; export
     and inspection read placement from the state's plan and take either)."""
-    if state.plan.offload != offload:
+    if state.plan.config.offload != offload:
         raise ValueError(
-            f"state was made by an optimizer with offload={_spelled(state.plan.offload)}, but "
+            f"state was made by an optimizer with offload="
+            f"{_spelled(state.plan.config.offload)}, but "
             f"this optimizer has offload={_spelled(offload)}; create the state with this "
             "optimizer's init(), or move it "
             "over with a checkpoint: jzero.Checkpointer.restore(opt, ...) places every leaf "
@@ -44,7 +45,7 @@ def check_memory(state: ZeroState) -> None:
             got, want = _memory(x), _kind(s)
             if got is None or got == want:
                 continue
-            how = _offloaded(plan.offload)
+            how = _offloaded(plan.config.offload)
             raise ValueError(
                 f"state.{field} leaf {jax.tree_util.keystr(path)} is in {got!r} memory, but "
                 f"its plan stores it in {want!r} memory: {how}. jzero does not move a state "

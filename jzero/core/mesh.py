@@ -7,7 +7,7 @@ and replicated across the ``replica`` groups (slow links); the batch is split ov
 Axes may be of any type JAX builds meshes with: ``Auto`` (:func:`data_mesh`,
 :func:`hybrid_mesh`), ``Explicit`` (``jax.make_mesh``'s default, often under
 ``jax.set_mesh``) or a mix. jzero computes on the mesh's ``Auto`` twin and returns arrays
-typed with the mesh given (:mod:`.mesh_types`).
+typed with the mesh given (:mod:`.axis_types`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
 
     The axis is ``AxisType.Auto``. A mesh from ``jax.make_mesh`` (``Explicit`` axes) works
     the same: jzero computes on an ``Auto`` twin of it and returns arrays typed with it
-    (:mod:`jzero.core.mesh_types`).
+    (:mod:`jzero.core.axis_types`).
 
     Examples:
         >>> mesh = jzero.data_mesh()
@@ -93,7 +93,7 @@ def hybrid_mesh(replicas: int, devices: Sequence[jax.Device] | None = None) -> M
 def check_mesh(mesh: Mesh) -> int:
     """Validates ``mesh`` for jzero and returns the size of its ``data`` axis.
 
-    Its axes may be ``Auto`` or ``Explicit`` (:mod:`.mesh_types`); ``Manual`` axes, the
+    Its axes may be ``Auto`` or ``Explicit`` (:mod:`.axis_types`); ``Manual`` axes, the
     type ``shard_map`` gives axes inside its body, are refused."""
     if not isinstance(mesh, Mesh):
         raise TypeError(

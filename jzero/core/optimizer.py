@@ -1,15 +1,16 @@
-"""``ZeroOptimizer``: the front users hold -- configuration, and four calls into the core.
+"""``ZeroOptimizer``: the front users hold -- a configuration, and four calls into the core.
 
-It validates the configuration and makes the :class:`Plan` for a parameter tree; init and
-export go to :mod:`.stored_form` with that plan, and ``train_step`` hands ``(tx, precision,
-loss_fn, mesh, stage)`` to :func:`.train_step.make_train_step`, whose step reads placement from
-``state.plan`` alone. Nothing in the core calls back into this class.
+It holds one :class:`.options.zero_config.ZeroConfig` (given, or gathered from its keyword
+arguments), checks it against the mesh and makes the :class:`Plan` for a parameter tree;
+init and export go to :mod:`.stored_form` with that plan, and ``train_step`` hands
+``(loss_fn, config, tx, mesh)`` to :func:`.train_step.make_train_step`, whose step reads
+placement from ``state.plan`` alone. Nothing in the core calls back into this class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any
 
 import jax
 import optax
@@ -18,26 +19,19 @@ from jax.sharding import PartitionSpec as P
 
 from ..internal.primitives import warn_missing_primitives
 from .boxed import box_specs, has_boxes
-from .checks import (
-    check_communication,
+from .input_checks import (
     check_leaves,
-    check_precision,
     check_same_on_every_process,
     check_same_tree,
     check_state,
 )
-from .communication import Communication
-from .leaf_layout import DEFAULT_MIN_SHARD_SIZE
-from .mesh import REPLICA, check_mesh, fit_specs
-from .offload.options import Offload, as_offload
-from .param_owners import param_owners
-from .plan import Plan, Stage, make_plan
-from .precision import Precision
-from .rules import Rules, check_rules, logical_to_mesh
-from .step_options import StepOptions, step_options
+from .mesh import REPLICA, fit_specs
+from .options.step import StepOptions, step_options
+from .options.zero_config import ZeroConfig, zero_config
+from .plan import Plan, ZeroState, make_plan, param_owners
+from .rules import logical_to_mesh
 from .stored_form import full_params, full_state, init_program
 from .train_step import TrainStep, make_train_step
-from .zero_state import ZeroState
 
 
 class ZeroOptimizer:
@@ -52,8 +46,11 @@ class ZeroOptimizer:
             reduced within the group, then their shards all-reduced across replicas. Axes
             may be ``Auto`` or ``Explicit`` (``jax.make_mesh``'s default; also under
             ``jax.set_mesh``): jzero computes on the mesh's ``Auto`` twin and returns arrays
-            typed with this mesh (:mod:`jzero.core.mesh_types`). It is always passed here: a
+            typed with this mesh (:mod:`jzero.core.axis_types`). It is always passed here: a
             mesh set with ``jax.set_mesh`` is not read in its place.
+        config: the run's :class:`jzero.ZeroConfig` (stage, layout, precision,
+            communication, offload, step options); or, in its place, the keyword options
+            below, gathered into one (never both).
         stage: 0 (plain data parallel), 1 (optimizer state partitioned), 2 (+ gradients),
             3 (+ parameters).
         min_shard_size: leaves with fewer elements, and scalars, stay replicated (default 0:
@@ -81,7 +78,7 @@ class ZeroOptimizer:
             sharded Optax state and fp32 master weights rest in host memory and stream
             through the device, which updates them. ``Offload(optimizer="host")`` runs the
             update on the host (:mod:`jzero.core.offload.host_step`). None (default):
-            everything on the device. (``offload_chunk=`` moved to ``Offload(chunk=)``.)
+            everything on the device.
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(optax.adamw(3e-4), jzero.data_mesh(), stage=3)
@@ -95,41 +92,27 @@ class ZeroOptimizer:
         tx: optax.GradientTransformation,
         mesh: Mesh,
         *,
-        stage: Stage,
-        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
-        param_specs: Any = None,
-        rules: Rules | None = None,
-        precision: Precision | None = None,
-        comm: Communication | None = None,
-        offload: Offload | Literal["optimizer"] | None = None,
-        **moved: Any,
+        config: ZeroConfig | None = None,
+        **options: Any,
     ):
-        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in get_args(Stage):
-            raise ValueError(
-                f"stage must be 0, 1, 2 or 3, got {stage!r}: 0 = plain data parallel, "
-                "1 = shard optimizer state, 2 = + gradients, 3 = + parameters."
-            )
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise TypeError(
                 f"tx must be an optax.GradientTransformation, got {type(tx).__name__}; "
                 "e.g. optax.adamw(3e-4) or optax.chain(...)."
             )
-        if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, int):
-            raise TypeError(f"min_shard_size must be an int, got {min_shard_size!r}.")
-        if min_shard_size < 0:
-            raise ValueError(f"min_shard_size must be >= 0, got {min_shard_size}.")
-        self.tx, self.mesh, self.stage = tx, mesh, stage
-        self.data_size = check_mesh(mesh)
+        self.tx, self.mesh = tx, mesh
+        self.config = zero_config(config, options, what="ZeroOptimizer")
+        self.data_size = self.config.check(mesh)
         self.replica_size = dict(mesh.shape).get(REPLICA, 1)
-        self.min_shard_size = min_shard_size
-        self.param_specs = param_specs
-        self.rules = None if rules is None else check_rules(rules, mesh)
-        self.precision = check_precision(Precision() if precision is None else precision)
-        self.comm = check_communication(comm, stage)
-        self.comm.check_data_size(self.data_size)
-        self.offload = as_offload(offload, moved)
-        self.offload.check(mesh=mesh, stage=stage)
         warn_missing_primitives()
+
+    stage = property(lambda self: self.config.stage, doc="The ZeRO stage (``config.stage``).")
+    precision = property(lambda self: self.config.precision, doc="``config.precision``.")
+    comm = property(lambda self: self.config.comm, doc="``config.comm``.")
+    offload = property(lambda self: self.config.offload, doc="``config.offload``.")
+    param_specs = property(lambda self: self.config.layout.param_specs)
+    rules = property(lambda self: self.config.layout.rules)
+    min_shard_size = property(lambda self: self.config.layout.min_shard_size)
 
     def plan(self, params: Any) -> Plan:
         """Where every leaf lives, for ``params`` (arrays or ``jax.ShapeDtypeStruct`` s).
@@ -143,13 +126,10 @@ class ZeroOptimizer:
         check_leaves(opt_state, "optimizer state")
         return make_plan(
             mesh=self.mesh,
-            stage=self.stage,
+            config=self.config,
             params=shapes,
             opt_state=opt_state,
             user_specs=self._user_specs(shapes),
-            min_shard_size=self.min_shard_size,
-            param_dtype=self.precision.param_dtype,
-            offload=self.offload,
             owners=param_owners(self.tx, jax.tree.structure(shapes), opt_state),
         )
 
@@ -253,13 +233,7 @@ class ZeroOptimizer:
     def check_state(self, state: Any, *, tx: bool = False) -> None:
         """Raises if ``state`` was not made by an optimizer like this one (with ``tx``: of
         this Optax transformation too)."""
-        check_state(
-            state,
-            stage=self.stage,
-            mesh=self.mesh,
-            mixed=self.precision.mixed,
-            tx=self.tx if tx else None,
-        )
+        check_state(state, self.config, mesh=self.mesh, tx=self.tx if tx else None)
 
     def train_step(
         self, loss_fn: Callable[..., Any], options: StepOptions | None = None, **kwargs: Any
@@ -268,19 +242,12 @@ class ZeroOptimizer:
 
         ``options`` is a :class:`jzero.StepOptions` (how the loss is called: ``has_aux``,
         ``with_model_state``, ``grad_accum``, ``manual_gather``, ``donate``,
-        ``per_device_rng``, ``axis_name``); its fields may be given as keyword arguments
-        instead (``train_step(loss_fn, has_aux=True)``), not both. ``loss_fn`` may return a
+        ``per_device_rng``, ``axis_name``, ``remat_policy``); without it, the
+        configuration's ``step``, with fields replaced by keyword arguments
+        (``train_step(loss_fn, has_aux=True)``); not both. ``loss_fn`` may return a
         :class:`jzero.Weighted` ``(total, count)`` for a loss averaged over the global
         batch's tokens. A state consumed by an earlier donated step is refused with an
         error, not reused. See :func:`jzero.core.train_step.make_train_step`.
         """
-        return make_train_step(
-            loss_fn,
-            step_options(options, kwargs),
-            tx=self.tx,
-            precision=self.precision,
-            comm=self.comm,
-            mesh=self.mesh,
-            stage=self.stage,
-            offload=self.offload,
-        )
+        step = step_options(options, kwargs, default=self.config.step)
+        return make_train_step(loss_fn, self.config.with_step(step), tx=self.tx, mesh=self.mesh)

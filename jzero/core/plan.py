@@ -1,34 +1,40 @@
 """The plan: the one description of where every leaf of a run's state lives.
 
-A :class:`Plan` is static and hashable. It holds the mesh, the ZeRO stage as data (which
-model states are partitioned over ``data``: optimizer state from stage 1, gradients from
-stage 2, parameters at stage 3) and, per stored leaf, a :class:`Stored`: its layout (shard
-dimension, padding, ``PartitionSpec``), whether it is stored partitioned, its dtype and its
-memory kind. On a mesh with a ``replica`` axis (hybrid sharding) every layout and spec
-still names ``data`` only, so each stored leaf is replicated across ``replica``; the plan
-records the replica count and the axes the batch is split over. Everything else -- the
-step, init, export, accounting -- reads placement from here and nowhere else.
+A :class:`Plan` is static and hashable. It holds the mesh, the run's configuration (the
+ZeRO stage says which model states are partitioned over ``data``: optimizer state from
+stage 1, gradients from stage 2, parameters at stage 3) and, per stored leaf, a
+:class:`Stored`: its layout (shard dimension, padding, ``PartitionSpec``), whether it is
+stored partitioned, its dtype and its memory kind. On a mesh with a ``replica`` axis
+(hybrid sharding) every layout and spec still names ``data`` only, so each stored leaf is
+replicated across ``replica``; the plan records the replica count and the axes the batch is
+split over. Everything else -- the step, init, export, accounting -- reads placement from
+here and nowhere else. :class:`ZeroState` is the state laid out by a plan, carrying it.
+
+:func:`param_owners`: which parameter each Optax-state leaf belongs to, as Optax itself
+says (``optax.tree_map_params``), so that a moment takes its own parameter's spec; matching
+by shape instead would give two same-shaped parameters with different specs the same
+layout for their moments.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
+import optax
+from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._table import table
+from .axis_types import compute_mesh
 from .leaf_layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
-from .mesh_types import compute_mesh
-from .offload.options import DEFAULT_OFFLOAD_CHUNK as DEFAULT_OFFLOAD_CHUNK
-from .offload.options import HOST as HOST
-from .offload.options import NO_OFFLOAD, Offload
-
-Stage = Literal[0, 1, 2, 3]
+from .options.offload import HOST
+from .options.step import StepOptions
+from .options.zero_config import ZeroConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,23 +78,27 @@ class Plan:
         mesh: the device mesh as the user gave it, of any axis types (its ``data`` axis is
             the one partitioned along); the stored leaves are typed with it, and jzero's
             programs compute on :attr:`compute_mesh`.
-        stage: the ZeRO stage, 0 to 3; ``partitions_*`` say what it means.
+        config: the :class:`ZeroConfig` the leaves were laid out for (its stage, layout,
+            precision, communication and offload; its step options left at their defaults:
+            each step has its own).
         params_def, params: treedef and per-leaf :class:`Stored` of the parameters.
         opt_def, opt: the same for the Optax state.
         master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
             parameters are stored in a 16-bit dtype; None otherwise.
-        offload: what rests in host memory and where the optimizer step runs
-            (:class:`Offload`; ``Offload()``: nothing offloaded).
     """
 
     mesh: Mesh
-    stage: int
+    config: ZeroConfig
     params_def: Any
     params: tuple[Stored, ...]
     opt_def: Any
     opt: tuple[Stored, ...]
     master: tuple[Stored, ...] | None
-    offload: Offload = NO_OFFLOAD
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the leaves are laid out for (``config.stage``)."""
+        return self.config.stage
 
     @property
     def data_size(self) -> int:
@@ -121,21 +131,6 @@ class Plan:
         return (REPLICA, DATA) if self.hybrid else DATA
 
     @property
-    def partitions_opt_state(self) -> bool:
-        """Stage >= 1 (P_os): the optimizer state and master weights are 1/N shards."""
-        return self.stage >= 1
-
-    @property
-    def partitions_grads(self) -> bool:
-        """Stage >= 2 (P_g): gradients are reduce-scattered during backward, never whole."""
-        return self.stage >= 2
-
-    @property
-    def partitions_params(self) -> bool:
-        """Stage 3 (P_p): parameters at rest are 1/N shards, gathered where used."""
-        return self.stage == 3
-
-    @property
     def layouts(self) -> tuple[LeafLayout, ...]:
         """The parameters' layouts, flat."""
         return tuple(s.layout for s in self.params)
@@ -146,25 +141,9 @@ class Plan:
         return tuple(s.layout for s in self.opt)
 
     @property
-    def offloads(self) -> bool:
-        """Whether the optimizer state and master weights rest in host memory (``HOST``)."""
-        return self.offload.optimizer is not None
-
-    @property
     def offloads_params(self) -> bool:
-        """Whether stage 3's parameter shards rest in host memory (``HOST``)."""
+        """Whether any of stage 3's parameter shards rests in host memory (``HOST``)."""
         return any(s.memory_kind == HOST for s in self.params)
-
-    @property
-    def host_step(self) -> bool:
-        """Whether the optimizer step runs on the host (``Offload(optimizer="host")``)."""
-        return self.offload.optimizer == "host"
-
-    @property
-    def offload_chunk(self) -> int | None:
-        """With a streamed optimizer, the most elements of a leaf whose elementwise update
-        streams through the device at once (:mod:`.offload.chunks`); None otherwise."""
-        return self.offload.stream_chunk
 
     def params_tree(self) -> Any:
         """The parameters' :class:`LeafLayout` s as a pytree shaped like the parameters."""
@@ -177,7 +156,7 @@ class Plan:
     @property
     def compute_mesh(self) -> Mesh:
         """The mesh jzero's programs compute on: ``mesh`` with every axis ``Auto``
-        (:mod:`.mesh_types`)."""
+        (:mod:`.axis_types`)."""
         return compute_mesh(self.mesh)
 
     def sharding(self, stored: Stored | P) -> NamedSharding:
@@ -196,7 +175,7 @@ class Plan:
         """A readable table: one row per parameter leaf with its layout; with offload, the
         memory each leaf (and its master weights) rests in, and the optimizer state's."""
         paths = [jax.tree_util.keystr(k) for k, _ in _paths(self.params_def)]
-        offloaded = self.offloads or self.offloads_params
+        offloaded = self.config.offload.optimizer is not None or self.offloads_params
         kind = lambda stored: stored.memory_kind or "device"
         head = ("leaf", "shape", "shard dim", "stored", "pad", "spec")
         extra = ("memory", "master memory") if self.master else ("memory",)
@@ -226,38 +205,36 @@ def _paths(treedef: Any) -> list[tuple[Any, Any]]:
 def make_plan(
     *,
     mesh: Mesh,
-    stage: int,
+    config: ZeroConfig,
     params: Any,
     opt_state: Any,
     user_specs: Any,
-    min_shard_size: int,
-    param_dtype: Any,
-    offload: Offload = NO_OFFLOAD,
     owners: list[int] | None = None,
 ) -> Plan:
-    """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``stage``.
+    """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``config``.
 
-    Each leaf is laid out by its shape (:func:`leaf_layout`). An optimizer-state leaf takes
-    the user spec of the parameter it belongs to, ``owners[k]`` for leaf k (as
-    :func:`.param_owners.param_owners` reads it from Optax), when it has that parameter's
-    shape; other leaves get none. Without ``owners`` (Optax could not tell), a leaf takes
-    the spec of the one parameter of its shape, if only one has it. ``user_specs`` is a tree
-    of ``PartitionSpec`` over the mesh's other axes, shaped like ``params``. Parameters are
-    stored in ``param_dtype``; with a 16-bit ``param_dtype`` the fp32 master weights are
-    laid out like the optimizer state. With ``offload.optimizer`` the optimizer state and
-    master weights are stored in host memory (memory kind ``HOST``); the parameters stay on
-    the device.
+    Each leaf is laid out by its shape (:func:`leaf_layout`, with the layout's
+    ``min_shard_size``). An optimizer-state leaf takes the user spec of the parameter it
+    belongs to, ``owners[k]`` for leaf k (as :func:`param_owners` reads it
+    from Optax), when it has that parameter's shape; other leaves get none. Without
+    ``owners`` (Optax could not tell), a leaf takes the spec of the one parameter of its
+    shape, if only one has it. ``user_specs`` is a tree of ``PartitionSpec`` over the
+    mesh's other axes, shaped like ``params``. Parameters are stored in the precision's
+    ``param_dtype``; with a 16-bit one the fp32 master weights are laid out like the
+    optimizer state. With ``offload.optimizer`` the optimizer state and master weights are
+    stored in host memory (memory kind ``HOST``); the parameters stay on the device.
     """
+    stage, offload = config.stage, config.offload
     n = 1 if stage == 0 else mesh.shape[DATA]
-    rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_shard_size, user_spec=spec)
+    min_size = config.layout.min_shard_size
+    rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_size, user_spec=spec)
     p_leaves, p_def = jax.tree.flatten(params)
     p_lays = [rule(x, s) for x, s in zip(p_leaves, jax.tree.leaves(user_specs))]
     o_leaves, o_def = jax.tree.flatten(opt_state)
     specs = _opt_specs(p_lays, [tuple(int(s) for s in x.shape) for x in o_leaves], owners)
     o_lays = [rule(x, spec) for x, spec in zip(o_leaves, specs)]
 
-    param_dtype = np.dtype(param_dtype)
-    mixed = param_dtype != np.dtype(np.float32)
+    param_dtype = np.dtype(config.precision.param_dtype)
     floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
     stored_dtype = lambda x: param_dtype if floating(x) else np.dtype(x.dtype)
     kind = HOST if offload.optimizer is not None else None
@@ -268,12 +245,13 @@ def make_plan(
         Stored(lay, stage >= 1, np.dtype(x.dtype), kind) for lay, x in zip(o_lays, o_leaves)
     )
     master = None
-    if mixed:
+    if config.precision.mixed:
         master = tuple(
             Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind)
             for lay, x in zip(p_lays, p_leaves)
         )
-    plan = Plan(mesh, stage, p_def, params_stored, o_def, opt_stored, master, offload)
+    laid_out = config.with_step(StepOptions())  # each step brings its own options
+    plan = Plan(mesh, laid_out, p_def, params_stored, o_def, opt_stored, master)
     return params_offloaded(plan) if offload.params else plan
 
 
@@ -299,3 +277,49 @@ def _opt_specs(p_lays: list, shapes: list[tuple[int, ...]], owners: list[int] | 
     for lay in p_lays:
         by_shape.setdefault(lay.shape, set()).add(lay.user_spec)
     return [next(iter(by_shape[s])) if len(by_shape.get(s, ())) == 1 else P() for s in shapes]
+
+
+def param_owners(
+    tx: optax.GradientTransformation, params_def: Any, opt_state: Any
+) -> list[int] | None:
+    """Per leaf of ``opt_state``, the index of the parameter leaf it belongs to (-1: none);
+    None when Optax cannot tell (an ``init`` that inspects its parameters' values)."""
+    index = jax.tree.unflatten(params_def, list(range(params_def.num_leaves)))
+    try:
+        owners = optax.tree_map_params(
+            tx, lambda _, i: i, opt_state, index, transform_non_params=lambda _: -1
+        )
+    except Exception:  # noqa: BLE001 -- any failure means: ownership unknown
+        return None
+    owners = jax.tree.leaves(owners)
+    return owners if len(owners) == len(jax.tree.leaves(opt_state)) else None
+
+
+@struct.dataclass
+class ZeroState:
+    """Parameters and optimizer state of a ZeRO-partitioned model.
+
+    Attributes:
+        step: int32 scalar, replicated; number of train steps taken (steps skipped by
+            dynamic loss scaling included; Optax's own counters skip them).
+        params: the parameters as stored at rest. Stages 0-2: full, true shapes, replicated
+            over 'data'. Stage 3: each sharded leaf padded along its shard dimension and
+            partitioned over 'data' (see ``plan``); small leaves replicated.
+        opt_state: the Optax state. Stage 0: replicated. Stages 1-3: every leaf laid out
+            like a parameter of its shape (sharded and padded over 'data').
+        master: fp32 master weights when the precision policy stores parameters in a
+            16-bit dtype, laid out like the optimizer state (sharded over 'data' in stages
+            1-3, padded); None otherwise.
+        loss_scale: dynamic loss-scaling state (:class:`LossScale`), or None.
+        model_state: non-trainable model state (e.g. Flax ``batch_stats``), replicated over
+            'data' and kept identical on every device; None when the model has none.
+        plan: the static :class:`Plan`: where every leaf lives (not a pytree node).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any
+    master: Any
+    loss_scale: Any
+    plan: Plan = struct.field(pytree_node=False)

@@ -29,40 +29,53 @@ Rule = tuple[str, str | tuple[str, ...] | None]
 Rules = Sequence[Rule]
 
 
-def check_rules(rules: Rules, mesh: Mesh) -> tuple[Rule, ...]:
-    """``rules`` as a tuple of ``(str, str | tuple | None)`` pairs, every mesh axis named in
-    them checked to be one of ``mesh``'s axes."""
+def as_rules(rules: Rules) -> tuple[Rule, ...]:
+    """``rules`` as a tuple of ``(str, str | tuple | None)`` pairs (checked when the
+    configuration is built; :func:`check_rules` checks them against a mesh)."""
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
         raise TypeError(
             f"rules must be a sequence of (logical_name, mesh_axes) pairs, as "
             f"nn.logical_axis_rules takes, e.g. (('embed', None), ('mlp', 'model')); got "
             f"{type(rules).__name__}."
         )
-    out = []
-    for rule in rules:
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise TypeError(
-                f"rules entry {rule!r} is not a (logical_name, mesh_axes) pair; write e.g. "
-                "('mlp', 'model'), ('embed', None) or ('heads', ('model', 'expert'))."
-            )
-        logical, target = rule
-        if isinstance(target, list):
-            target = tuple(target)
-        axes = (target,) if isinstance(target, str) else target or ()
-        if not (isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)):
-            raise TypeError(
-                f"rules entry {rule!r} maps {logical!r} to {target!r}; give a mesh axis name, "
-                "a tuple of them, or None (replicated)."
-            )
-        for axis in axes:
+    return tuple(_rule(rule) for rule in rules)
+
+
+def _rule(rule: Any) -> Rule:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+        raise TypeError(
+            f"rules entry {rule!r} is not a (logical_name, mesh_axes) pair; write e.g. "
+            "('mlp', 'model'), ('embed', None) or ('heads', ('model', 'expert'))."
+        )
+    logical, target = rule
+    if isinstance(target, list):
+        target = tuple(target)
+    if not all(isinstance(a, str) for a in _axes(target)) or not (
+        target is None or isinstance(target, (str, tuple))
+    ):
+        raise TypeError(
+            f"rules entry {rule!r} maps {logical!r} to {target!r}; give a mesh axis name, "
+            "a tuple of them, or None (replicated)."
+        )
+    return (logical, target)
+
+
+def _axes(target: Any) -> tuple:
+    return (target,) if isinstance(target, str) else tuple(target or ())
+
+
+def check_rules(rules: Rules, mesh: Mesh) -> tuple[Rule, ...]:
+    """:func:`as_rules`, every mesh axis named in them checked to be one of ``mesh``'s."""
+    rules = as_rules(rules)
+    for logical, target in rules:
+        for axis in _axes(target):
             if axis not in mesh.axis_names:
                 raise ValueError(
                     f"rules entry {(logical, target)!r} maps {logical!r} to mesh axis "
                     f"{axis!r}, but the mesh has axes {dict(mesh.shape)}; map it to one of "
                     f"them (or None to replicate), or add a {axis!r} axis to the mesh."
                 )
-        out.append((logical, target))
-    return tuple(out)
+    return rules
 
 
 def _drop_own_axes(entry: Any) -> Any:

@@ -6,7 +6,7 @@ Everything here follows the :class:`Plan`: ``store`` pads the leaves it stores p
 the parameters (``full_state``: every model state) back whole. ``to_device`` and ``to_host``
 move leaves between memory kinds inside a jitted program (optimizer offload). Programs
 compute on the plan's compute mesh and constrain to it; what they return is typed with the
-user's mesh (``state_shardings``, :func:`typed_state`; :mod:`.mesh_types`).
+user's mesh (``state_shardings``, :func:`typed_state`; :mod:`.axis_types`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from .checks import check_live
+from .axis_types import is_auto, on_compute_mesh, typed
+from .input_checks import check_live
 from .leaf_layout import pad, unpad
-from .mesh_types import is_auto, on_compute_mesh, typed
-from .plan import Plan, Stored
-from .precision import LossScale, Precision
-from .zero_state import ZeroState
+from .options.precision import LossScale, Precision
+from .plan import Plan, Stored, ZeroState
 
 
 def _map(fn: Callable[[jax.Array, Stored], jax.Array], tree: Any, stored: tuple[Stored, ...]):
@@ -105,7 +104,7 @@ def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
 
 def typed_state(state: ZeroState) -> ZeroState:
     """Inside ``jit``: ``state`` with every leaf typed with its sharding on the plan's mesh
-    (:func:`.mesh_types.typed`), the same as it has on the compute mesh; the model state,
+    (:func:`.axis_types.typed`), the same as it has on the compute mesh; the model state,
     step and loss scale replicated. On a mesh of ``Auto`` axes, ``state`` as it is."""
     plan = state.plan
     if is_auto(plan.mesh):
@@ -162,7 +161,7 @@ def _full_params_program(plan: Plan) -> Callable[[Any], Any]:
 def full_params(state: ZeroState) -> Any:
     """The whole model, true shapes, replicated over ``data`` (one compiled program per plan).
 
-    A state consumed by a donating step is refused (:func:`.checks.check_live`): the
+    A state consumed by a donating step is refused (:func:`.input_checks.check_live`): the
     compiled program would read its deleted buffers, which can crash the process."""
     check_live(state)
     return _full_params_program(state.plan)(state.params)

@@ -21,23 +21,22 @@ from jax.sharding import PartitionSpec as P
 
 from .agreement import Agreement
 from .axis_aliases import alias_mesh, check_aliases
+from .axis_types import on_compute_mesh, typed
 from .batch_sharding import check_batch_sharding
-from .checks import check_batch, check_global_batch, check_live, check_state
 from .comm.collectives import all_gather
-from .communication import Communication
+from .comm.gatherer import Gatherer
+from .comm.reducer import Reducer
+from .grad_reduction import Gradients
+from .input_checks import check_batch, check_global_batch, check_live, check_state
 from .leaf_layout import pad, unpad
 from .local_grads import local_grads
 from .memory_kinds import check_state_offload
-from .mesh_types import on_compute_mesh, typed
-from .offload.host_step import Gradients, host_update
-from .offload.options import NO_OFFLOAD, Offload
-from .offload.update import offloaded_update
-from .plan import Plan
-from .precision import Precision
-from .step_options import StepOptions
-from .stored_form import constrain, store, to_device, typed_state, view
+from .options.communication import Communication
+from .options.zero_config import ZeroConfig
+from .plan import Plan, ZeroState
+from .stored_form import constrain, store, typed_state
+from .updaters import Updater, make_updater
 from .weighted import CountWatch, Weighted, counted, divisor, skip_uncounted
-from .zero_state import ZeroState
 
 Metrics = dict[str, Any]
 
@@ -51,14 +50,13 @@ class TrainStep:
     is not split over the mesh's batch axes (:mod:`.batch_sharding`).
 
     ``lower(state, batch)`` gives the jitted program's lowering (for
-    :func:`jzero.report` and ``.compile().memory_analysis()``); ``comm`` the
-    :class:`.Communication` its collectives follow (the report reads hpZ's groups from it).
+    :func:`jzero.report` and ``.compile().memory_analysis()``); ``config`` the
+    :class:`.ZeroConfig` it was built with, and ``comm`` its :class:`.Communication` (the
+    report reads hpZ's groups from it).
     """
 
-    def __init__(
-        self, jitted: Any, donate: bool, *, mesh: Mesh, agreement: Agreement, comm: Communication
-    ):
-        self._jitted, self._donate, self.comm = jitted, donate, comm
+    def __init__(self, jitted: Any, *, config: ZeroConfig, mesh: Mesh, agreement: Agreement):
+        self._jitted, self.config = jitted, config
         self._mesh, self._agreement = mesh, agreement
         self._counts = CountWatch()  # raises for an earlier step's invalid Weighted count
 
@@ -78,33 +76,28 @@ class TrainStep:
         check_live(state)
         return self._jitted.lower(state, batch)
 
+    @property
+    def comm(self) -> Communication:
+        return self.config.comm
+
 
 def make_train_step(
-    loss_fn: Callable[..., Any],
-    options: StepOptions,
-    *,
-    tx: optax.GradientTransformation,
-    precision: Precision,
-    comm: Communication,
-    mesh: Mesh,
-    stage: int,
-    offload: Offload = NO_OFFLOAD,
+    loss_fn: Callable[..., Any], config: ZeroConfig, *, tx: optax.GradientTransformation, mesh: Mesh
 ) -> TrainStep:
     """Builds the jitted ``step(state, batch) -> (state, metrics)`` for ``state.plan``.
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over its batch. It runs
             per device on that device's slice of the batch (leading axis split over 'data').
-            With ``options.has_aux``, it returns ``(loss, aux)``. It may return a
+            With ``config.step.has_aux``, it returns ``(loss, aux)``. It may return a
             :class:`jzero.Weighted` ``(total, count)`` in place of the mean: the step then
             sums both over devices and micro-batches and trains on their quotient, the
             global-batch objective whatever the number of tokens on each device.
-        options: how the loss is called and what the step keeps (:class:`.StepOptions`).
-        tx, precision, comm: the optimizer's Optax transformation, precision policy and
-            collectives (:class:`.Communication`).
-        mesh, stage, offload: what the state must have been made for (checked at trace
-            time, with ``precision`` and ``tx``: a state from another optimizer is refused,
-            and so is one whose leaves are not in the memory its plan stores them in).
+        config: the run's :class:`.ZeroConfig`; ``config.step`` says how the loss is
+            called and what the step keeps (:class:`.StepOptions`).
+        tx, mesh: the Optax transformation and the mesh. A state made for another stage,
+            mesh, precision, offload or ``tx`` is refused at trace time, and so is one whose
+            leaves are not in the memory its plan stores them in.
 
     ``metrics`` holds ``loss`` (mean over the global batch), ``grad_norm`` (global L2 norm
     of the averaged gradient, padding excluded) and, with dynamic loss scaling,
@@ -114,30 +107,32 @@ def make_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    options.check_stage(stage)
+    options = config.step
     aliases = check_aliases(options.axis_name, mesh.axis_names)
+    # the three strategies, built once: gathering parameters, reducing gradients, updating
+    gatherer, reducer, update = Gatherer.of(config), Reducer.of(config), make_updater(tx, config)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-        check_state(state, stage=stage, mesh=mesh, mixed=precision.mixed, tx=tx)
-        check_state_offload(state, offload)
+        check_state(state, config, mesh=mesh, tx=tx)
+        check_state_offload(state, config.offload)
         check_batch(batch, state.plan.dp_size, options.grad_accum)
         scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
-        body = local_grads(state.plan, loss_fn, options, precision, comm, aliases=aliases)
+        body = local_grads(state.plan, loss_fn, options, gatherer, reducer, aliases=aliases)
         loss, grads, model_state, aux = _sharded(body, state, scale, batch, aliases)
         loss, grads, ok = _global_view(state.plan, loss, grads, scale, options.grad_accum)
-        return _apply(tx, precision, state, (loss, grads, model_state, aux), scale, ok, options)
+        return _apply(update, state, (loss, grads, model_state, aux), scale, ok, config)
 
-    given = {"options": options, "comm": comm, "offload": offload}
-    agreement = Agreement(stage=stage, mesh=mesh, precision=precision, options=given)
+    agreement = Agreement(config, mesh)
     jitted = jax.jit(_on_mesh(step, mesh), donate_argnums=0 if options.donate else ())
-    return TrainStep(jitted, options.donate, mesh=mesh, agreement=agreement, comm=comm)
+    return TrainStep(jitted, config=config, mesh=mesh, agreement=agreement)
 
 
 def _sharded(body: Callable, state: ZeroState, scale: jax.Array, batch: Any, aliases) -> tuple:
     """Runs the local view ``body`` under ``shard_map``: (loss, reduced grads, agreed
     model state, aux), each replicated or sharded as its plan says."""
     plan = state.plan
-    grad_specs = [lay.data_spec() if plan.partitions_opt_state else P() for lay in plan.layouts]
+    sharded = plan.config.partitions_opt_state
+    grad_specs = [lay.data_spec() if sharded else P() for lay in plan.layouts]
     fwd_bwd = jax.shard_map(
         body,
         mesh=alias_mesh(plan.compute_mesh, aliases) if aliases else plan.compute_mesh,
@@ -177,7 +172,7 @@ def _global_view(plan: Plan, loss: Any, grads: Any, scale: jax.Array, grad_accum
     return loss, Gradients(grads, denominator, averaged), ok
 
 
-def _apply(tx, precision, state, outputs, scale, ok, options) -> tuple[ZeroState, Metrics]:
+def _apply(update, state, outputs, scale, ok, config) -> tuple[ZeroState, Metrics]:
     """The update (skipped where gradients or the count are not finite), and the metrics."""
     loss, grads, model_state, aux = outputs
     count = loss.count if isinstance(loss, Weighted) else None
@@ -187,11 +182,11 @@ def _apply(tx, precision, state, outputs, scale, ok, options) -> tuple[ZeroState
     if state.loss_scale is not None:  # non-finite gradients: the update keeps the state
         finite = jnp.isfinite(metrics["grad_norm"])
     keep = ok if finite is None else (finite if ok is None else finite & ok)
-    new_state = _update(tx, precision, state, grads, keep)
-    if options.has_aux:
+    new_state = _update(update, state, grads, keep)
+    if config.step.has_aux:
         metrics["aux"] = aux
     if finite is not None:
-        new_state = new_state.replace(loss_scale=state.loss_scale.next(finite, precision))
+        new_state = new_state.replace(loss_scale=state.loss_scale.next(finite, config.precision))
         metrics |= {"loss_scale": scale, "skipped": (~finite).astype(jnp.int32)}
     new_state = new_state.replace(step=state.step + 1, model_state=model_state)
     if ok is not None:
@@ -201,7 +196,7 @@ def _apply(tx, precision, state, outputs, scale, ok, options) -> tuple[ZeroState
 
 def _on_mesh(step: Callable, mesh: Mesh) -> Callable:
     """``step`` computed on the compute mesh, its results typed with ``mesh`` again
-    (:mod:`.mesh_types`: only types change on a mesh with ``Explicit`` axes)."""
+    (:mod:`.axis_types`: only types change on a mesh with ``Explicit`` axes)."""
     compute = on_compute_mesh(step, mesh)
 
     @functools.wraps(step)
@@ -213,69 +208,21 @@ def _on_mesh(step: Callable, mesh: Mesh) -> Callable:
     return typed_step
 
 
-def _update(
-    tx: optax.GradientTransformation,
-    precision: Precision,
-    state: ZeroState,
-    grads: Gradients,
-    finite: jax.Array | None,
-) -> ZeroState:
-    """The Optax update in the global view, on fp32 master weights, then re-placement.
+def _update(update: Updater, state: ZeroState, grads: Gradients, finite) -> ZeroState:
+    """The Optax update in the global view (on the fp32 master weights, by ``update``: on
+    the device, streamed through it, or on the host; :mod:`.updaters`), then re-placement.
 
     Where ``finite`` is False (non-finite gradients under dynamic loss scaling, or an
     invalid :class:`Weighted` count) the step keeps the old parameters, Optax state and
-    master weights. With an offloaded optimizer the state streams through the device
-    (:func:`.offload.update.offloaded_update`), or is updated on the host
-    (:func:`.offload.host_step.host_update`). With stage 3's parameters (and master
-    weights) offloaded and the optimizer on the device, they stream through the device
-    the same way, one piece at a time: the update never copies every weight in at once.
+    master weights.
     """
     plan = state.plan
     weights = state.master if plan.master is not None else state.params
-    if plan.host_step:
-        params, opt_state, master = host_update(
-            tx, precision, plan, grads, state.opt_state, weights, finite
-        )
-    elif plan.offloads or plan.offloads_params:  # piece by piece, never all weights at once
-        params, opt_state, master = offloaded_update(
-            tx, precision, plan, grads, state.opt_state, weights, finite
-        )
-    else:
-        params, opt_state, master = _device_update(
-            tx, precision, plan, grads.averaged, state.opt_state, weights, finite
-        )
-    if plan.partitions_opt_state and not plan.partitions_params:
+    params, opt_state, master = update(plan, grads, state.opt_state, weights, finite)
+    if plan.config.partitions_opt_state and not plan.config.partitions_params:
         params = _all_gather_params(plan, params)
     params = constrain(plan, store(params, plan.params), plan.params)
     return state.replace(params=params, opt_state=opt_state, master=master)
-
-
-def _device_update(
-    tx: optax.GradientTransformation,
-    precision: Precision,
-    plan: Plan,
-    grads: Any,
-    opt_state: Any,
-    weights: Any,
-    finite: jax.Array | None,
-) -> tuple[Any, Any, Any]:
-    """The Optax update with the state on the device; as ``offloaded_update``, returns the
-    new parameters (true shapes, on the device), the stored Optax state and the stored
-    master weights (None without)."""
-    stored = plan.master if plan.master is not None else plan.params
-    old = view(to_device(plan, weights, stored), stored)
-    old_state = view(opt_state, plan.opt)
-    updates, opt_state = tx.update(grads, old_state, old)
-    master = optax.apply_updates(old, updates)
-    if finite is not None:  # the old values where the step is skipped
-        keep = lambda new, old: jnp.where(finite, new, old)
-        master = jax.tree.map(keep, master, old)
-        opt_state = jax.tree.map(keep, opt_state, old_state)
-    opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
-    params = precision.cast(master)
-    if plan.master is None:
-        return params, opt_state, None
-    return params, opt_state, constrain(plan, store(master, plan.master), plan.master)
 
 
 def _all_gather_params(plan: Plan, params: Any) -> Any:

@@ -23,7 +23,7 @@ Modules:
   while, custom_vjp) and walks over nested jaxprs.
 - :mod:`.interpret`: the interpreter: :func:`~.interpret.run` and
   :func:`~.interpret.evaluate` evaluate a jaxpr under a feature's
-  :class:`~.interpret.Rules`; :func:`~.interpret.rebind` re-applies a higher-order
+  :class:`~.interpret.Interpreter`; :func:`~.interpret.rebind` re-applies a higher-order
   primitive with its bodies evaluated under the same rules;
   :func:`~.interpret.run_in_regions` evaluates ranges of equations as calls of their own
   (an unrolled model's layers) and :func:`~.interpret.narrowest_cut` finds where the

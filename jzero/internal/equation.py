@@ -1,9 +1,10 @@
 """One traced equation as jzero's rules read it, and walks over (nested) jaxprs.
 
-:class:`Equation` hides the primitive parameter names and operand orders jzero relies
-on: a rule asks for an equation's :class:`~.primitives.Kind`, its axis names, or a view
-of a higher-order primitive's parts (:class:`Scan`, :class:`Cond`, :class:`While`,
-:class:`Remat`, a call's body, a ``custom_vjp`` function's arguments).
+Every read of a jaxpr outside ``jzero.internal`` goes through this module: :func:`trace`
+makes one (``jax.make_jaxpr``), :func:`inputs` / :func:`outputs` name its variables,
+:func:`constants` holds its constants' values, :func:`environment` binds them and its first
+inputs, :func:`defined` lists every variable its top level holds, and an
+:class:`Equation`'s :class:`~.primitives.Kind` matches a primitive.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
@@ -59,6 +61,43 @@ class Remat(NamedTuple):
 def closed(jaxpr: ClosedJaxpr | Jaxpr) -> ClosedJaxpr:
     """``jaxpr`` as a :class:`ClosedJaxpr` (an open one has no constants)."""
     return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, [])
+
+
+def trace(fn: Callable[..., Any], *args: Any, return_shape: bool = False, **kwargs: Any):
+    """``jax.make_jaxpr(fn, ...)(*args)``: the jaxpr of ``fn`` (and its output's shapes)."""
+    return jax.make_jaxpr(fn, return_shape=return_shape, **kwargs)(*args)
+
+
+def inputs(jaxpr: ClosedJaxpr | Jaxpr) -> list[Var]:
+    """The jaxpr's input variables, in order."""
+    return list(_open(jaxpr).invars)
+
+
+def outputs(jaxpr: ClosedJaxpr | Jaxpr) -> list[Var | Literal]:
+    """The jaxpr's outputs (variables, or literals), in order."""
+    return list(_open(jaxpr).outvars)
+
+
+def constants(jaxpr: ClosedJaxpr) -> list[Any]:
+    """The closed jaxpr's constants' values, in order."""
+    return list(jaxpr.consts)
+
+
+def environment(jaxpr: ClosedJaxpr, values: Sequence[Any] = ()) -> dict[Var, Any]:
+    """An environment holding the jaxpr's constants and, for its first inputs, ``values``."""
+    env = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+    return env | dict(zip(jaxpr.jaxpr.invars, values))
+
+
+def defined(jaxpr: ClosedJaxpr | Jaxpr) -> set[Var]:
+    """Every variable of the jaxpr's top level: its inputs, constants and equations' outputs."""
+    open_ = _open(jaxpr)
+    made = {v for eqn in open_.eqns for v in eqn.outvars}
+    return made | set(open_.invars) | set(open_.constvars)
+
+
+def _open(jaxpr: ClosedJaxpr | Jaxpr) -> Jaxpr:
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
 
 
 def is_literal(atom: Var | Literal) -> bool:

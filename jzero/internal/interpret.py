@@ -1,10 +1,10 @@
 """jzero's one jaxpr interpreter: a traced function evaluated again, equation by equation,
-with a feature's :class:`Rules` deciding what changes.
+with a feature's :class:`Interpreter` deciding what changes.
 
 Four features re-run traced jaxprs: stage 3's deferred gathers
 (:mod:`jzero.core.gather.autogather`), batch-axis aliases (:mod:`jzero.core.axis_aliases`),
 and the offloaded update's split and chunks (:mod:`jzero.core.offload`). Each is a
-:class:`Rules` subclass; this module walks the jaxpr, binds every equation a rule leaves
+:class:`Interpreter` subclass; this module walks the jaxpr, binds every equation a rule leaves
 alone exactly as traced (in the equation's own context: its abstract mesh, ``compute_on``
 and XLA metadata), and re-applies higher-order primitives (:func:`rebind`: ``jit`` /
 ``closed_call`` inlined, ``jax.checkpoint`` with its own policy, ``scan``, ``cond``,
@@ -23,7 +23,7 @@ from .equation import Equation, closed
 from .primitives import Kind
 
 
-class Rules:
+class Interpreter:
     """What a feature changes when a jaxpr is evaluated; the defaults change nothing."""
 
     def read(self, x: Any, atom: Var | Literal) -> Any:
@@ -50,13 +50,13 @@ def value(env: MutableMapping[Var, Any], atom: Var | Literal) -> Any:
 def run(
     jaxpr: ClosedJaxpr | Jaxpr,
     args: Sequence[Any],
-    rules: Rules,
+    rules: Interpreter,
     *,
     consts: Sequence[Any] | None = None,
     before: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """``jaxpr`` applied to ``args`` under ``rules`` (``consts``: instead of its own
-    constants); its outputs, each :meth:`Rules.read`. ``before(e)``, if given, is called
+    constants); its outputs, each :meth:`Interpreter.read`. ``before(e)``, if given, is called
     before each of ``jaxpr``'s own equations ``e`` is evaluated (not those of bodies)."""
     jaxpr = closed(jaxpr)
     inner = jaxpr.jaxpr
@@ -74,9 +74,9 @@ def run(
 def run_in_regions(
     jaxpr: ClosedJaxpr | Jaxpr,
     args: Sequence[Any],
-    rules: Rules,
+    rules: Interpreter,
     regions: Sequence[tuple[int, int]],
-    call_region: Callable[[Callable[[Rules, list[Any]], list[Any]], list[Any]], list[Any]],
+    call_region: Callable[[Callable[[Interpreter, list[Any]], list[Any]], list[Any]], list[Any]],
 ) -> list[Any]:
     """:func:`run`, with each range ``(start, stop)`` of ``regions`` (ascending, disjoint
     equation numbers) evaluated as one call: ``call_region(body, inputs)`` returns the
@@ -91,7 +91,9 @@ def run_in_regions(
         evaluate(jaxpr, env, rules, range(done, start))
         ins, outs = _region_io(inner, start, stop)
 
-        def body(region_rules: Rules, values: list[Any], ins=ins, outs=outs, span=(start, stop)):
+        def body(
+            region_rules: Interpreter, values: list[Any], ins=ins, outs=outs, span=(start, stop)
+        ):
             local = region_rules.scope(dict(zip(ins, values)))
             evaluate(jaxpr, local, region_rules, range(*span))
             return [local[v] for v in outs]
@@ -153,7 +155,7 @@ def _nbytes(v: Var) -> int:
 def evaluate(
     jaxpr: ClosedJaxpr | Jaxpr,
     env: MutableMapping[Var, Any],
-    rules: Rules,
+    rules: Interpreter,
     eqns: Iterable[int] | None = None,
 ) -> None:
     """Evaluates the equations of ``jaxpr`` numbered ``eqns`` (default: all), in order,
@@ -193,7 +195,7 @@ REBINDS = frozenset({Kind.CALL, Kind.REMAT, Kind.SCAN, Kind.COND, Kind.WHILE})
 """The kinds :func:`rebind` re-applies (``custom_jvp`` / ``custom_vjp`` rules are opaque)."""
 
 
-def rebind(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
+def rebind(eqn: Equation, args: list[Any], rules: Interpreter) -> list[Any]:
     """``eqn``'s higher-order primitive applied to ``args`` again, each body evaluated
     under ``rules``: a ``jit`` / ``closed_call`` inlined, a ``jax.checkpoint`` re-applied
     with its policy, and ``scan`` / ``cond`` / ``while_loop`` rebuilt with ``jax.lax``."""
@@ -219,7 +221,7 @@ def rebind(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
     raise ValueError(f"rebind: {eqn.kind} is not one of {sorted(k.value for k in REBINDS)}.")
 
 
-class _InlineCalls(Rules):
+class _InlineCalls(Interpreter):
     def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
         return run(eqn.call(), values, self) if eqn.kind is Kind.CALL else None
 
@@ -235,7 +237,7 @@ def inline_calls(jaxpr: ClosedJaxpr | Jaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *a: run(jaxpr, a, _InlineCalls()))(*specs)
 
 
-def _scan(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
+def _scan(eqn: Equation, args: list[Any], rules: Interpreter) -> list[Any]:
     scan = eqn.scan(args)
     n_carry = len(scan.init)
 

@@ -32,7 +32,7 @@ except ImportError:
     _config = None
 
 from .equation import Equation
-from .interpret import REBINDS, Rules, bind, rebind, run
+from .interpret import REBINDS, Interpreter, bind, rebind, run
 from .moved import InternalMoved, param
 from .primitives import Kind, varying_axes
 
@@ -84,7 +84,7 @@ def _unified(args: list[Any]) -> list[Any]:
     return [cast(x) for x in args]
 
 
-class _Checked(Rules):
+class _Checked(Interpreter):
     """A jaxpr traced without varying-axes checks, evaluated with them."""
 
     def apply(self, eqn: Equation, values: list[Any]) -> list[Any]:
@@ -118,7 +118,7 @@ def _cast(x: Any, names: tuple[str, ...]) -> Any:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _custom_jvp(eqn: Equation, args: list[Any], rules: Rules) -> list[Any]:
+def _custom_jvp(eqn: Equation, args: list[Any], rules: Interpreter) -> list[Any]:
     """A ``custom_jvp`` function applied again: its body and its derivative rule (as JAX
     traced it, without the checks) each evaluated under ``rules``."""
     params = eqn.params

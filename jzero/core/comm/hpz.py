@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import jax
 
 from ..mesh import DATA
-from .quantize import Quant, quantized_rows
+from ..options.communication import Quant
+from .quantize import quantized_rows
 
 SECONDARY = "jzero_secondary"
 """``checkpoint_name`` of a secondary copy (step 1's result), which remat policies save."""

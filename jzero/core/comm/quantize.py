@@ -67,42 +67,23 @@ the device index (:func:`_uniform`): reproducible, no PRNG state.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
 from functools import partial
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from ..leaf_layout import LeafLayout
 from ..mesh import DATA
+from ..options.communication import Quant
 from .buckets import all_gather_flat, reduce_scatter_flat
 
-GATHER_QUANTS = ("int8", "fp8")
-"""The values ``Communication.gather_quant`` accepts besides None."""
-GRAD_QUANTS = ("int8", "int4")
-"""The values ``Communication.grad_quant`` accepts besides None."""
 FP8 = jnp.float8_e4m3fn
 """The wire dtype of fp8 gathers: 4 exponent bits, 3 mantissa bits, no infinities."""
 FP8_MAX = 448.0
 """float8_e4m3fn's largest finite value, where a block's absmax lands."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Quant:
-    """How a parameter all-gather is quantized (static: hashable, part of the trace).
-
-    Attributes:
-        dtype: the wire dtype of the values: ``'int8'``, ``'fp8'`` (float8_e4m3fn,
-            gathers only) or ``'int4'`` (gradients only).
-        block: at most this many consecutive elements share one fp32 scale.
-    """
-
-    dtype: Literal["int8", "int4", "fp8"] = "int8"
-    block: int = 256
 
 
 def _levels(dtype: str) -> float:

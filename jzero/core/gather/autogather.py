@@ -44,14 +44,17 @@ from ...internal.equation import (
     Equation,
     Remat,
     Scan,
+    constants,
     equations,
     only_indexed,
+    trace,
     without_dead_equations,
 )
-from ...internal.interpret import Rules, narrowest_cut, run, run_in_regions
+from ...internal.interpret import Interpreter, narrowest_cut, run, run_in_regions
 from ...internal.moved import InternalMoved, warn_fallback
 from ...internal.primitives import Kind
-from ..comm.collectives import Sharded, gather, gather_each, saves_no_gathered
+from ..comm.collectives import saves_no_gathered
+from ..comm.gatherer import Sharded, gather, gather_each
 from .deferred import Deferred, Derived, derive, gathered_at, is_lazy, use
 from .layers import layer_gaps, layer_of
 from .prefetch import can_prefetch, prefetched_scan
@@ -85,9 +88,8 @@ def gather_where_used(
             return fn(gather_each(params), *args)
 
     def per_use(params: Any, *args: Any) -> Any:
-        traced, out_shape = jax.make_jaxpr(lambda p, *a: fn(gather_each(p), *a), return_shape=True)(
-            params, *args
-        )
+        whole = lambda p, *a: fn(gather_each(p), *a)
+        traced, out_shape = trace(whole, params, *args, return_shape=True)
         traced = without_dead_equations(traced)
         shared, reads = _dry_run(traced, params, args)
         rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
@@ -177,13 +179,13 @@ def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dic
         found.append(rules)
         return run(traced, jax.tree.leaves((params, args)), rules, before=rules.entering)
 
-    jax.make_jaxpr(dry)(params, *args)
+    trace(dry, params, *args)
     rules = found[0]
     shared = frozenset(k for k, n in rules.uses.items() if n > 1)
     return shared, None if rules.own_layers else dict(rules.reads)
 
 
-class _Gathering(Rules):
+class _Gathering(Interpreter):
     """The rules of deferred gathering (see the module docstring) for jzero's interpreter:
     ``handles``' gathers (``jzero.gather``'s ``custom_vjp``, called on a handle's
     sink and value) are deferred; the first equation that reads a deferred value gathers
@@ -305,7 +307,7 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
     xs = [x if sliceable(x) else rules.read(x) for x in scan.xs]
     scanned = [x.handle if isinstance(x, Deferred) else x for x in xs]
     lazy = [isinstance(x, Deferred) for x in xs]
-    body_consts = list(scan.body.consts)
+    body_consts = constants(scan.body)
 
     whole = [x for x in consts if not isinstance(x, Deferred)]
     if rules.prefetch and any(lazy) and can_prefetch(body_consts, whole, init, scanned):
@@ -328,7 +330,7 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
         return [*carry, *ys]
 
     def step(carry, x_slices):
-        if any(x.handle.bucket for x in xs if isinstance(x, Deferred)):
+        if any(x.handle.gatherer.bucket for x in xs if isinstance(x, Deferred)):
             slices = gather(list(x_slices))  # the layer's leaves in one flat collective
         else:  # each gathered where the step first uses it
             slices = [Deferred(s) if d else s for s, d in zip(x_slices, lazy)]

@@ -29,7 +29,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ...internal.equation import Equation, is_literal
 from ...internal.interpret import bind_in_context
-from ..comm.collectives import GATHERED, Sharded
+from ..comm.collectives import GATHERED
+from ..comm.gatherer import Sharded
 from .remat import remat_layer
 
 

@@ -31,17 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..comm.buckets import all_gather_flat
-from ..comm.collectives import (
-    Sharded,
-    after,
-    all_gather,
-    on_device,
-    reduce_scatter,
-    saves_no_gathered,
-    scatter_flat,
-)
-from ..comm.quantize import quantized_all_gather
+from ..comm.collectives import after, on_device, saves_no_gathered
+from ..comm.gatherer import Gatherer, Sharded
+from ..comm.reducer import Reducer
 
 Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
 """``step(consts, carry, params, x) -> (carry, y)``: one layer, ``params`` gathered."""
@@ -58,13 +50,9 @@ def prefetched_scan(
     :func:`can_prefetch`). Returns ``(carry, ys)`` as ``lax.scan`` would.
     """
     layouts = tuple(h.layout for h in handles)
-    bucket = any(h.bucket for h in handles)
-    # the step's, the same for every handle
-    quant = next((h.quant for h in handles), None)
-    grad_quant = next((h.grad_quant for h in handles), None)
-    dtypes = tuple(h.sink.dtype for h in handles)  # each gradient's reduce dtype
+    how = (handles[0].gatherer, handles[0].reducer)  # the step's, the same for every handle
     return _layers(
-        step, layouts, (bucket, quant, grad_quant), dtypes, length, reverse, policy, consts, init,
+        step, layouts, how, length, reverse, policy, consts, init,
         [h.sink for h in handles], [h.value for h in handles], xs,
     )  # fmt: skip
 
@@ -79,29 +67,19 @@ def _at(tree: Any, i: Any) -> Any:
 
 
 def _gather(values: list, layouts: tuple, how: tuple, i: Any, dep: Any = None) -> list:
-    """Layer ``i``'s parameters gathered; ``how``: (bucketed, quantized as, gradients
-    quantized as)."""
-    bucket, quant, _ = how
+    """Layer ``i``'s parameters gathered by ``how``'s :class:`Gatherer`."""
+    gatherer, _ = how
     # Offloaded stacks rest in host memory: the layer's shards are copied in here, per
     # step, in forward and again in backward.
     shards = [on_device(jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False)) for v in values]
     if dep is not None:
         shards = after(shards, dep)
-    if quant is not None and bucket:
-        return quantized_all_gather(shards, layouts, quant=quant)
-    if quant is not None:
-        return [quantized_all_gather([s], [lay], quant=quant)[0] for s, lay in zip(shards, layouts)]
-    if bucket:
-        return all_gather_flat(shards, layouts)
-    return [all_gather(s, lay) for s, lay in zip(shards, layouts)]
+    return gatherer.all_gather(shards, layouts)
 
 
-def _scatter(grads: list, layouts: tuple, how: tuple, dtypes: list) -> list:
-    bucket, _, grad_quant = how
-    grads = [g.astype(d) for g, d in zip(grads, dtypes)]
-    if bucket:
-        return scatter_flat(grads, layouts, grad_quant)
-    return [reduce_scatter(g, lay, grad_quant) for g, lay in zip(grads, layouts)]
+def _scatter(grads: list, layouts: tuple, how: tuple[Gatherer, Reducer]) -> list:
+    gatherer, reducer = how
+    return reducer.scatter(grads, layouts, flat=gatherer.bucket)
 
 
 def _stack_last(looped: Any, last: Any, flip: bool) -> Any:
@@ -182,15 +160,13 @@ def _source(leaf: Any, args: list[list]) -> tuple[int, int] | None:
     return None
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _layers(step, layouts, how, dtypes, length, reverse, policy, consts, init, sinks, values, xs):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _layers(step, layouts, how, length, reverse, policy, consts, init, sinks, values, xs):
     args = (consts, init, sinks, values, xs)
-    return _layers_fwd(step, layouts, how, dtypes, length, reverse, policy, *args)[0]
+    return _layers_fwd(step, layouts, how, length, reverse, policy, *args)[0]
 
 
-def _layers_fwd(
-    step, layouts, how, dtypes, length, reverse, policy, consts, init, sinks, values, xs
-):  # fmt: skip
+def _layers_fwd(step, layouts, how, length, reverse, policy, consts, init, sinks, values, xs):
     layer, residuals = _differentiable(step, policy), _Residuals()
 
     def run(carry, params, i):
@@ -202,7 +178,7 @@ def _layers_fwd(
     return (carry, ys), (consts, stored, values, xs, residuals)
 
 
-def _layers_bwd(step, layouts, how, dtypes, length, reverse, policy, res, cts):
+def _layers_bwd(step, layouts, how, length, reverse, policy, res, cts):
     consts, stored, values, xs, residuals = res
     ct_carry, ct_ys = cts
 
@@ -211,7 +187,7 @@ def _layers_bwd(step, layouts, how, dtypes, length, reverse, policy, res, cts):
         vjp = residuals.join(_at(stored, i), (consts, params, _at(xs, i)))
         d_consts, d_carry, d_params, d_x = vjp((ct_c, _at(ct_ys, i)))
         ct_consts = jax.tree.map(jnp.add, ct_consts, d_consts)
-        return (d_carry, ct_consts), (_scatter(d_params, layouts, how, dtypes), d_x)
+        return (d_carry, ct_consts), (_scatter(d_params, layouts, how), d_x)
 
     fetch = partial(_gather, values, layouts, how)
     zeros = jax.tree.map(jnp.zeros_like, consts)

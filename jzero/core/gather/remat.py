@@ -21,16 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..comm.collectives import (
-    GATHERED,
-    Sharded,
-    after,
-    gather,
-    in_host_memory,
-    saves_no_gathered,
-    with_secondaries,
-    without_secondaries,
-)
+from ..comm.collectives import GATHERED, after, in_host_memory, saves_no_gathered
+from ..comm.gatherer import Sharded, gather, with_secondaries, without_secondaries
 
 
 def _gathers(params: Any) -> bool:

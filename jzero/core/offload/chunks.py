@@ -5,7 +5,7 @@ An offloaded update streams one parameter leaf's state through the device at a t
 bucket is a large share of the whole state. A bucket whose equations are all elementwise
 (Adam, AdamW, SGD, momentum, the per-leaf part of ``clip_by_global_norm``) computes each
 element from the same element of its inputs and from global scalars, so it can run on
-static slices of the leaf: chunks of at most ``Plan.offload_chunk`` elements along one
+static slices of the leaf: chunks of at most ``Offload.stream_chunk`` elements along one
 axis that no mesh axis shards (slicing a sharded axis would make XLA communicate), as
 DeepSpeed's ``sub_group_size`` bounds its optimizer sub-steps. Each chunk evaluates the
 bucket's own traced equations (a ``broadcast_in_dim`` of a scalar gets the chunk's
@@ -16,7 +16,7 @@ Elementwise is decided from the jaxpr: every equation's primitive is elementwise
 ``broadcast_in_dim`` only broadcasts a scalar, and every non-scalar operand and result
 has the leaf's shape. Anything else (Adafactor's factored moments, a per-leaf norm) stays
 whole. A chunk is evaluated by jzero's jaxpr interpreter (:mod:`jzero.internal.interpret`)
-under :class:`_ChunkRules`.
+under :class:`_Chunking`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import jax
 
 from ...internal import interpret
-from ...internal.equation import Equation, Jaxpr, equations
-from ...internal.interpret import Rules, bind, run, value
+from ...internal.equation import Equation, Jaxpr, constants, equations
+from ...internal.interpret import Interpreter, bind, run, value
 from ...internal.moved import InternalMoved, warn_fallback
 from ...internal.primitives import Kind
 from ..plan import Plan
@@ -93,7 +93,7 @@ def _cuts(split: Split, bucket: Bucket, plan: Plan, chunk: int | None) -> tuple[
     layouts += [] if plan.master is None else [plan.master[i].layout]
     if size <= chunk or any(lay.shape != shape for lay in layouts):
         return None
-    if not elementwise(split.jaxpr.jaxpr, bucket.equations, shape):
+    if not elementwise(split.jaxpr, bucket.equations, shape):
         return None
     entry = lambda spec, a: spec[a] if a < len(spec) else None
     free = [
@@ -121,7 +121,7 @@ def _elementwise(eqn: Equation, shape: tuple[int, ...]) -> bool:
         return False
     if eqn.kind is Kind.CALL:
         inner = eqn.call()
-        consts = all(getattr(c, "shape", ()) in ((), shape) for c in inner.consts)
+        consts = all(getattr(c, "shape", ()) in ((), shape) for c in constants(inner))
         return consts and all(_elementwise(e, shape) for e in equations(inner))
     if eqn.kind is Kind.BROADCAST:
         eqn.broadcast_to(lambda s: s)  # what a chunk reads of it (InternalMoved if moved)
@@ -160,7 +160,7 @@ class _Scope(MutableMapping):
         return len(self.local)
 
 
-class _ChunkRules(Rules):
+class _Chunking(Interpreter):
     """Elementwise equations on one chunk: a ``jit`` inlined, so that its shapes become
     the chunk's; a ``broadcast_in_dim`` of a scalar to the chunk's shape."""
 
@@ -186,4 +186,4 @@ def read(v: Any, env: dict, local: dict, cut: Cut) -> Any:
 
 def evaluate(jaxpr: Jaxpr, eqns: Iterable[int], env: dict, local: dict, cut: Cut) -> None:
     """Evaluates elementwise equations of ``jaxpr`` on one chunk, writing ``local``."""
-    interpret.evaluate(jaxpr, _Scope(local, env, cut), _ChunkRules(cut), eqns)
+    interpret.evaluate(jaxpr, _Scope(local, env, cut), _Chunking(cut), eqns)

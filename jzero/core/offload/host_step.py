@@ -41,31 +41,24 @@ state per GPU link (one GPU, large model), the host step moves about 6x less.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from ...internal import interpret
-from ...internal.equation import Equation, equations
+from ...internal.equation import Equation, defined, environment, equations, inputs, outputs
 from ...internal.host_compute import on_host
-from ...internal.interpret import REBINDS, Rules, bind, rebind
+from ...internal.interpret import REBINDS, Interpreter, bind, rebind
 from ...internal.interpret import value as read
 from ...internal.moved import InternalMoved
+from ..grad_reduction import Gradients
 from ..leaf_layout import unpad
+from ..options.precision import Precision
 from ..plan import Plan, Stored
-from ..precision import Precision
 from ..stored_form import store, to_device, to_host, view
 from .split import Bucket, Split, evaluate, split_update
-
-
-class Gradients(NamedTuple):
-    """The step's gradients, in the two forms the host step reads."""
-
-    reduced: Any  # as reduced: stored (padded) shards, reduce dtype, device memory
-    denominator: jax.Array  # scalar the reduced sums are divided by (devices x micro-batches)
-    averaged: Any  # reduced / denominator, fp32, true shapes, device memory (global part)
 
 
 def host_update(
@@ -126,16 +119,15 @@ def _global_part(
 ) -> tuple[dict, dict[int, jax.Array]]:
     """Evaluates the update's global part on the device (counters, global norms), from the
     averaged gradients; the environment, and the new shared state leaves (host memory)."""
-    jaxpr, n = split.jaxpr.jaxpr, len(plan.params)
-    env = dict(zip(jaxpr.constvars, split.jaxpr.consts))
-    env |= dict(zip(jaxpr.invars[:n], jax.tree.leaves(grads.averaged)))
+    ins, outs, n = inputs(split.jaxpr), outputs(split.jaxpr), len(plan.params)
+    env = environment(split.jaxpr, jax.tree.leaves(grads.averaged))
     here = lambda j: view(to_device(plan, [o[j]], [plan.opt[j]]), [plan.opt[j]])[0]
-    env |= {jaxpr.invars[n + j]: here(j) for j in split.shared}
+    env |= {ins[n + j]: here(j) for j in split.shared}
     evaluate(split, split.first, env)
     keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
     shared = {}
     for j in split.shared:
-        new = keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]])
+        new = keep(read(env, outs[n + j]), env[ins[n + j]])
         shared[j] = to_host(plan, store([new], [plan.opt[j]]), [plan.opt[j]])[0]
     return env, shared
 
@@ -154,27 +146,21 @@ def _at_rest(plan: Plan, x: jax.Array, stored: Stored) -> jax.Array:
 def _free(split: Split, bucket: Bucket, plan: Plan) -> list[Any]:
     """The variables ``bucket``'s equations read from outside it, other than its own
     gradients, state and weights: the global part's results, constants, shared state."""
-    invars, n, m = split.jaxpr.jaxpr.invars, len(plan.params), len(plan.opt)
-    own = {invars[i] for i in bucket.params} | {invars[n + j] for j in bucket.opt}
-    own |= {invars[n + m + i] for i in bucket.params}
+    ins, n, m = inputs(split.jaxpr), len(plan.params), len(plan.opt)
+    own = {ins[i] for i in bucket.params} | {ins[n + j] for j in bucket.opt}
+    own |= {ins[n + m + i] for i in bucket.params}
     all_eqns = equations(split.jaxpr)
     made, free = set(), []
     for eqn in (all_eqns[e] for e in bucket.equations):
         free += [v for v in eqn.variables if v not in made and v not in own and v not in free]
         made.update(eqn.outputs)
-    outs = [split.jaxpr.jaxpr.outvars[i] for i in bucket.params]
-    outs += [split.jaxpr.jaxpr.outvars[n + j] for j in bucket.opt]  # e.g. one passed through
-    return free + [v for v in outs if v in jaxpr_vars(split) and v not in made | own | set(free)]
+    outs = [outputs(split.jaxpr)[i] for i in bucket.params]
+    outs += [outputs(split.jaxpr)[n + j] for j in bucket.opt]  # e.g. one passed through
+    named = defined(split.jaxpr)  # its outputs that are no literal
+    return free + [v for v in outs if v in named and v not in made | own | set(free)]
 
 
-def jaxpr_vars(split: Split) -> set[Any]:
-    """The jaxpr's inputs, constants and equation outputs (its outputs that are no literal)."""
-    jaxpr = split.jaxpr.jaxpr
-    made = {v for eqn in equations(split.jaxpr) for v in eqn.outputs}
-    return made | set(jaxpr.invars) | set(jaxpr.constvars)
-
-
-class _OnHost(Rules):
+class _OnHost(Interpreter):
     """A bucket's equations in a host computation: every value they make rests in host
     memory (a constant or an iota with no host input is made in device memory by JAX, and
     would not meet the host values it is combined with)."""
@@ -206,27 +192,28 @@ def _bucket_program(
 ) -> Any:
     """The jitted host computation of one bucket: ``(reduced grads, stored state, stored
     weights, free values, denominator, finite) -> (stored state, stored master, params)``."""
-    jaxpr, n, m = split.jaxpr.jaxpr, len(plan.params), len(plan.opt)
+    ins, outs = inputs(split.jaxpr), outputs(split.jaxpr)
+    n, m = len(plan.params), len(plan.opt)
     weights: tuple[Stored, ...] = plan.master or plan.params
 
     def update(reduced, opt, w, values, denominator, finite):
         keep = lambda new, old: jnp.where(finite, new, old) if guarded else new
         env = dict(zip(free, values))
         for i, g in zip(bucket.params, reduced):  # as the step averages them on the device
-            env[jaxpr.invars[i]] = unpad(g.astype(jnp.float32) / denominator, plan.params[i].layout)
+            env[ins[i]] = unpad(g.astype(jnp.float32) / denominator, plan.params[i].layout)
         for j, x in zip(bucket.opt, opt):
-            env[jaxpr.invars[n + j]] = view([x], [plan.opt[j]])[0]
+            env[ins[n + j]] = view([x], [plan.opt[j]])[0]
         for i, x in zip(bucket.params, w):
-            env[jaxpr.invars[n + m + i]] = view([x], [weights[i]])[0]
+            env[ins[n + m + i]] = view([x], [weights[i]])[0]
         interpret.evaluate(split.jaxpr, env, _OnHost(), bucket.equations)
         new_opt = []
         for j in bucket.opt:
-            new = keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]])
+            new = keep(read(env, outs[n + j]), env[ins[n + j]])
             new_opt.append(store([new], [plan.opt[j]])[0])
         new_master, new_params = [], []
         for i in bucket.params:
-            old = env[jaxpr.invars[n + m + i]]
-            new = keep(optax.apply_updates(old, read(env, jaxpr.outvars[i])), old)
+            old = env[ins[n + m + i]]
+            new = keep(optax.apply_updates(old, read(env, outs[i])), old)
             if plan.master is not None:
                 new_master.append(store([new], [plan.master[i]])[0])
             new_params.append(precision.cast(new))

@@ -29,10 +29,17 @@ import jax.numpy as jnp
 import optax
 
 from ...internal import interpret
-from ...internal.equation import ClosedJaxpr, equations, is_literal, without_dead_equations
+from ...internal.equation import (
+    ClosedJaxpr,
+    equations,
+    inputs,
+    is_literal,
+    outputs,
+    trace,
+    without_dead_equations,
+)
 from ...internal.moved import InternalMoved, warn_fallback
-from ..param_owners import param_owners
-from ..plan import Plan
+from ..plan import Plan, param_owners
 
 
 class Bucket(NamedTuple):
@@ -74,8 +81,8 @@ def _cut(jaxpr: Any, labels: list[int], hard: list[bool]) -> tuple[set[int], dic
     or state leaf (which must never meet another leaf's). Returns the global equations
     and each variable's leaf (absent: global).
     """
-    leaf: dict[Any, int] = {v: x for v, x in zip(jaxpr.invars, labels) if x >= 0}
-    is_hard = {v for v, h in zip(jaxpr.invars, hard) if h}
+    leaf: dict[Any, int] = {v: x for v, x in zip(inputs(jaxpr), labels) if x >= 0}
+    is_hard = {v for v, h in zip(inputs(jaxpr), hard) if h}
     made_by: dict[Any, int] = {}
     first: set[int] = set()
     eqns = equations(jaxpr)
@@ -126,7 +133,7 @@ def split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
             f"up to {state:,} bytes of optimizer state per device in flight at once "
             "instead of one leaf's",
         )
-        return _whole(jax.make_jaxpr(tx.update)(*_specs(plan), _specs(plan)[0]), plan)
+        return _whole(trace(tx.update, *_specs(plan), _specs(plan)[0]), plan)
 
 
 def _specs(plan: Plan) -> tuple[Any, Any]:
@@ -145,21 +152,21 @@ def _whole(closed: ClosedJaxpr, plan: Plan) -> Split:
 
 def _split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
     trees = _specs(plan)
-    closed = interpret.inline_calls(jax.make_jaxpr(tx.update)(trees[0], trees[1], trees[0]))
+    closed = interpret.inline_calls(trace(tx.update, trees[0], trees[1], trees[0]))
     closed = without_dead_equations(closed)
-    n, jaxpr, eqns = len(plan.params), closed.jaxpr, equations(closed)
+    n, eqns = len(plan.params), equations(closed)
     whole = _whole(closed, plan)
     owners = _owners(tx, plan, trees[1])
     if owners is None or n < 2:
         return whole
     labels = [*range(n), *owners, *range(n)]
     hard = [False] * n + [o >= 0 for o in owners] + [True] * n
-    cut = _cut(jaxpr, labels, hard)
+    cut = _cut(closed, labels, hard)
     if cut is None:
         return whole
     first, leaf = cut
     writes = [*range(n), *owners]  # the leaf each output belongs to (-1: shared)
-    outs = [(v, w) for v, w in zip(jaxpr.outvars, writes) if not is_literal(v)]
+    outs = [(v, w) for v, w in zip(outputs(closed), writes) if not is_literal(v)]
     if any(v in leaf and leaf[v] != w for v, w in outs):  # e.g. a state leaf written
         return whole  # from another leaf's values
     eqn_leaf = [leaf.get(eqn.outputs[0]) if eqn.outputs else None for eqn in eqns]
@@ -178,4 +185,4 @@ def _split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
 def evaluate(split: Split, eqns: tuple[int, ...], env: dict) -> None:
     """Evaluates the given equations of ``split.jaxpr`` in order, reading and writing
     ``env``: each exactly as traced."""
-    interpret.evaluate(split.jaxpr, env, interpret.Rules(), eqns)
+    interpret.evaluate(split.jaxpr, env, interpret.Interpreter(), eqns)

@@ -10,7 +10,7 @@ Optax transformation splits that way (:func:`.split.split_update`); otherwise th
 tree is one bucket (correct for any transformation, but then the device holds the whole
 state while it updates).
 
-A bucket whose update is elementwise and whose leaf has more than ``Plan.offload_chunk``
+A bucket whose update is elementwise and whose leaf has more than ``Offload.stream_chunk``
 elements streams in chunks of the leaf (:mod:`.chunks`): each chunk's state is sliced from
 host memory, updated, and written into a fresh host buffer (dynamic-slice from, and
 dynamic-update-slice into, host memory: the patterns XLA's host offloader streams).
@@ -29,14 +29,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ...internal.equation import environment, inputs, outputs
 from ...internal.interpret import value as read
+from ..grad_reduction import Gradients
 from ..leaf_layout import LeafLayout, unpad
+from ..options.precision import Precision
 from ..plan import Plan, Stored
-from ..precision import Precision
 from ..stored_form import store, to_device, to_host, view
 from . import chunks
 from .chunks import Cut
-from .host_step import Gradients
 from .split import Bucket, Split, evaluate, split_update
 
 _IN_FLIGHT = 2  # buckets whose state may be on the device at once
@@ -71,7 +72,7 @@ def offloaded_update(
         None without master weights).
     """
     split = split_update(tx, plan)
-    jaxpr = split.jaxpr.jaxpr
+    jin, jout = inputs(split.jaxpr), outputs(split.jaxpr)
     g, o, w = jax.tree.leaves(grads.averaged), jax.tree.leaves(opt_state), jax.tree.leaves(weights)
     reduced = jax.tree.leaves(grads.reduced)
     n, m = len(g), len(o)
@@ -80,16 +81,16 @@ def offloaded_update(
     here = lambda x, s: view(to_device(plan, [x], [s]), [s])[0]
     there = lambda x, s: to_host(plan, store([x], [s]), [s])[0]
     keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
-    env = dict(zip(jaxpr.constvars, split.jaxpr.consts)) | dict(zip(jaxpr.invars[:n], g))
-    env |= {jaxpr.invars[n + j]: here(o[j], stored[j]) for j in split.shared}
+    env = environment(split.jaxpr, g)
+    env |= {jin[n + j]: here(o[j], stored[j]) for j in split.shared}
     evaluate(split, split.first, env)
     new_o, new_p = [None] * m, [None] * n
     for j in split.shared:  # counters: written from the global part
-        new_o[j] = there(keep(read(env, jaxpr.outvars[n + j]), env[jaxpr.invars[n + j]]), stored[j])
+        new_o[j] = there(keep(read(env, jout[n + j]), env[jin[n + j]]), stored[j])
     pieces = [
         (b, cut)
         for b in split.buckets
-        for cut in chunks.cuts(split, b, plan, plan.offload_chunk) or (None,)
+        for cut in chunks.cuts(split, b, plan, plan.config.offload.stream_chunk) or (None,)
     ]
     held: dict[int, jax.Array] = {}  # target -> its new stored value (chunks: so far)
     written, pending = [], []  # targets per piece; the last piece's writes, not yet applied
@@ -101,24 +102,24 @@ def offloaded_update(
             ins, back = jax.lax.optimization_barrier((ins, [held[t] for t in tied]))
             held.update(zip(tied, back))
         _apply(pending, held, stored, plan)  # after the barrier: one chain per buffer
-        inputs = {
-            jaxpr.invars[n + t]: here(x if cut is None else cut.take(x), stored[t])
+        given = {
+            jin[n + t]: here(x if cut is None else cut.take(x), stored[t])
             for t, x in zip(reads, ins)
         }
         whole = env
         if cut is not None:  # the gradient's chunk averaged from the reduced sums
             whole = env | {
-                jaxpr.invars[i]: _Averaged(reduced[i], grads.denominator, plan.params[i].layout)
+                jin[i]: _Averaged(reduced[i], grads.denominator, plan.params[i].layout)
                 for i in b.params
             }
-        value = _run(split, b, whole, inputs, cut)
+        value = _run(split, b, whole, given, cut)
         pending = []
         for j in b.opt:
-            new = keep(value(jaxpr.outvars[n + j]), inputs[jaxpr.invars[n + j]])
+            new = keep(value(jout[n + j]), given[jin[n + j]])
             pending.append((j, cut, there(new, stored[j])))
         for i in b.params:
-            old = inputs[jaxpr.invars[n + m + i]]
-            new = keep(optax.apply_updates(old, value(jaxpr.outvars[i])), old)
+            old = given[jin[n + m + i]]
+            new = keep(optax.apply_updates(old, value(jout[i])), old)
             new_p[i] = _assemble(new_p[i], precision.cast(new), cut, plan.params[i])
             if plan.master is not None:
                 pending.append((m + i, cut, there(new, stored[m + i])))
@@ -154,7 +155,7 @@ def _run(split: Split, bucket: Bucket, env: dict, inputs: dict, cut: Cut | None)
         env |= inputs
         evaluate(split, bucket.equations, env)
         return lambda v: read(env, v)
-    chunks.evaluate(split.jaxpr.jaxpr, bucket.equations, env, inputs, cut)
+    chunks.evaluate(split.jaxpr, bucket.equations, env, inputs, cut)
     return lambda v: chunks.read(v, env, inputs, cut)
 
 

@@ -13,7 +13,24 @@ from typing import Literal
 
 import numpy as np
 
-from .comm.quantize import GATHER_QUANTS, GRAD_QUANTS, Quant
+GATHER_QUANTS = ("int8", "fp8")
+"""The values ``Communication.gather_quant`` accepts besides None."""
+GRAD_QUANTS = ("int8", "int4")
+"""The values ``Communication.grad_quant`` accepts besides None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+    """How a parameter all-gather is quantized (static: hashable, part of the trace).
+
+    Attributes:
+        dtype: the wire dtype of the values: ``'int8'``, ``'fp8'`` (float8_e4m3fn,
+            gathers only) or ``'int4'`` (gradients only).
+        block: at most this many consecutive elements share one fp32 scale.
+    """
+
+    dtype: Literal["int8", "int4", "fp8"] = "int8"
+    block: int = 256
 
 
 @dataclasses.dataclass(frozen=True)

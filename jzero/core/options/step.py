@@ -118,23 +118,17 @@ class StepOptions:
             )
 
 
-_MOVED = {"bucket", "prefetch"}
-
-
-def step_options(options: StepOptions | None, kwargs: dict) -> StepOptions:
-    """``options``, or the keyword arguments gathered into one; never both."""
-    moved = sorted(_MOVED & kwargs.keys())
-    if moved:
-        given = ", ".join(f"{k}={kwargs[k]!r}" for k in moved)
-        raise TypeError(
-            f"train_step({given}): bucket and prefetch choose the optimizer's collectives "
-            f"now; pass them once, as ZeroOptimizer(..., comm=jzero.Communication({given}))."
-        )
+def step_options(
+    options: StepOptions | None, kwargs: dict, default: StepOptions | None = None
+) -> StepOptions:
+    """``options``; or ``default`` (the run's, :class:`StepOptions` () without one) with the
+    keyword arguments replacing its fields; never both."""
+    default = StepOptions() if default is None else default
     if options is None:
         unknown = sorted(kwargs.keys() - {f.name for f in dataclasses.fields(StepOptions)})
         if unknown:
             raise TypeError(f"train_step got unknown options {_names(unknown)}.")
-        return StepOptions(**kwargs)
+        return dataclasses.replace(default, **kwargs) if kwargs else default
     if not isinstance(options, StepOptions):
         raise TypeError(
             f"train_step's options must be a jzero.StepOptions, got "

@@ -15,10 +15,9 @@ import optax
 from jax.experimental import multihost_utils
 
 from .checksum import checksums
-from .communication import Communication
 from .memory_kinds import check_memory
-from .precision import Precision
-from .zero_state import ZeroState
+from .options.zero_config import ZeroConfig
+from .plan import ZeroState
 
 _ARRAY = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 
@@ -66,11 +65,12 @@ def check_same_tree(given: Any, expected: Any) -> None:
 
 
 def check_state(
-    state: Any, *, stage: int, mesh: Any, mixed: bool, tx: optax.GradientTransformation | None
+    state: Any, config: ZeroConfig, *, mesh: Any, tx: optax.GradientTransformation | None
 ) -> None:
-    """``state`` was made by an optimizer of this stage, mesh, precision and (if given)
-    Optax transformation, its trees still match its plan, and every leaf is in the memory
-    the plan stores it in (:func:`check_memory`)."""
+    """``state`` was made by an optimizer of this configuration's stage, precision and
+    offload, on ``mesh``, and (if given) of this Optax transformation; its trees still match
+    its plan, and every leaf is in the memory the plan stores it in (:func:`check_memory`)."""
+    stage, mixed = config.stage, config.precision.mixed
     if not isinstance(state, ZeroState):
         raise TypeError(f"expected a jzero.ZeroState from opt.init(...), got {type(state)}.")
     plan = state.plan
@@ -155,25 +155,6 @@ def check_batch(batch: Any, n: int, grad_accum: int) -> None:
 def _short(treedef: Any, limit: int = 120) -> str:
     text = str(treedef)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_communication(comm: Any, stage: int) -> Communication:
-    """``ZeroOptimizer(comm=...)``: a :class:`Communication` that has work at ``stage``."""
-    if comm is None:
-        return Communication()
-    if not isinstance(comm, Communication):
-        raise TypeError(
-            f"comm must be a jzero.Communication, got {type(comm).__name__}; e.g. "
-            "comm=jzero.Communication(gather_quant='int8')."
-        )
-    comm.check_stage(stage)
-    return comm
-
-
-def check_precision(precision: Any) -> Precision:
-    if not isinstance(precision, Precision):
-        raise TypeError(f"precision must be a jzero.Precision, got {type(precision)}.")
-    return precision
 
 
 def check_global_batch(batch: Any) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import optax
 
-from ..core.checks import check_leaves
+from ..core.input_checks import check_leaves
 from ..core.optimizer import ZeroOptimizer
-from ..core.zero_state import ZeroState
+from ..core.plan import ZeroState
 
 
 def check_optimizer(opt: Any, what: str) -> None:

@@ -1,13 +1,19 @@
-"""The step both Flax adapters return: the core step on ``state.zero``, re-wrapped."""
+"""What both Flax adapters share: the optimizer they build from a configuration, the
+``layers=`` classes they gather per layer, and the step they return (the core step on
+``state.zero``, re-wrapped)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from ..core.step_options import StepOptions
+from jax.sharding import Mesh
+
+from ..core.optimizer import ZeroOptimizer
+from ..core.options.step import StepOptions
+from ..core.options.zero_config import ZeroConfig
+from ..core.plan import ZeroState
 from ..core.train_step import Metrics, TrainStep
-from ..core.zero_state import ZeroState
 
 
 class AdapterStep:
@@ -40,3 +46,23 @@ def adapter_options(options: StepOptions, *, with_model_state: bool) -> StepOpti
             "collections itself); leave it out of the Flax TrainState's train_step options."
         )
     return dataclasses.replace(options, with_model_state=with_model_state)
+
+
+def adapter_optimizer(tx: Any, mesh: Mesh, config: ZeroConfig, param_specs: Any) -> ZeroOptimizer:
+    """The optimizer for ``config`` with the adapter's own ``param_specs`` (read from the
+    model's metadata and fitted to ``mesh``; the rules are applied in them already)."""
+    layout = dataclasses.replace(config.layout, param_specs=param_specs, rules=None)
+    return ZeroOptimizer(tx, mesh, config=dataclasses.replace(config, layout=layout))
+
+
+def layer_classes(layers: Any, base: type, what: str) -> tuple[type, ...]:
+    """``layers`` (a class or a tuple of classes) as a tuple of subclasses of ``base``, or
+    a TypeError naming what was given; ``what`` names ``base`` in the message."""
+    classes = layers if isinstance(layers, tuple) else (layers,)
+    for c in classes:
+        if not (isinstance(c, type) and issubclass(c, base)):
+            raise TypeError(
+                f"layers= takes {what} class or a tuple of them (e.g. layers=Block), "
+                f"got {c!r} of type {type(c).__name__}."
+            )
+    return classes

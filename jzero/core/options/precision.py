@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .dtypes import float_dtype
+from ..dtypes import float_dtype
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -39,9 +39,6 @@ class Precision:
             on for float16, off otherwise.
         initial_loss_scale: the starting scale (a power of two).
         growth_interval: good steps between doublings of the scale.
-        gather_quant, grad_quant, quant_block: not accepted here: quantized collectives
-            are a communication choice, given as ``ZeroOptimizer(...,
-            comm=jzero.Communication(gather_quant='int8'))`` (:class:`jzero.Communication`).
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=2,
@@ -53,14 +50,8 @@ class Precision:
     dynamic_loss_scale: bool | None = None
     initial_loss_scale: float = 2.0**15
     growth_interval: int = 2000
-    gather_quant: dataclasses.InitVar[Any] = None
-    grad_quant: dataclasses.InitVar[Any] = None
-    quant_block: dataclasses.InitVar[Any] = None
 
-    def __post_init__(self, gather_quant: Any, grad_quant: Any, quant_block: Any):
-        _refuse_communication(
-            gather_quant=gather_quant, grad_quant=grad_quant, quant_block=quant_block
-        )
+    def __post_init__(self):
         param = _check_dtype("param_dtype", self.param_dtype)
         reduce = param if self.reduce_dtype is None else self.reduce_dtype
         object.__setattr__(self, "param_dtype", param)
@@ -90,17 +81,6 @@ class Precision:
             return x.astype(dtype)
 
         return jax.tree.map(cast, tree)
-
-
-def _refuse_communication(**given: Any) -> None:
-    """Quantized collectives moved to :class:`jzero.Communication`: say so, with the fix."""
-    named = {k: v for k, v in given.items() if v is not None}
-    if named:
-        args = ", ".join(f"{k}={v!r}" for k, v in named.items())
-        raise TypeError(
-            f"Precision({args}): quantized collectives are a communication choice, not a "
-            f"precision; pass ZeroOptimizer(..., comm=jzero.Communication({args})) instead."
-        )
 
 
 class LossScale(NamedTuple):

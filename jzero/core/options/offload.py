@@ -1,8 +1,9 @@
 """What is offloaded to host memory, as one option object: :class:`Offload`.
 
-Given once, to the optimizer (``ZeroOptimizer(..., offload=jzero.Offload(...))``), which
-checks it against its stage and its backend's memory kinds when it is built
-(:meth:`Offload.check`). ``offload="optimizer"`` is the shorthand for
+Given once, in the run's :class:`jzero.ZeroConfig` (or as ``ZeroOptimizer(...,
+offload=jzero.Offload(...))``), which checks it against its stage when it is built
+(:meth:`Offload.check_stage`) and the optimizer against its backend's memory kinds
+(:meth:`Offload.check_backend`). ``offload="optimizer"`` is the shorthand for
 ``Offload(optimizer="stream")``.
 """
 
@@ -76,9 +77,8 @@ class Offload:
         """Whether anything rests in host memory."""
         return self.optimizer is not None or self.params
 
-    def check(self, *, mesh: jax.sharding.Mesh, stage: int) -> None:
-        """Raises where ``stage`` or the mesh's backend cannot do what is asked (checked
-        when the optimizer is built, before anything is traced)."""
+    def check_stage(self, stage: int) -> None:
+        """Raises where ``stage`` cannot do what is asked (when the configuration is built)."""
         if self.optimizer is not None and stage == 0:
             raise ValueError(
                 f"Offload(optimizer={self.optimizer!r}) needs stage >= 1: at stage 0 every "
@@ -91,6 +91,10 @@ class Offload:
                 f"stage {stage} stores whole parameters on every device; use stage=3, or "
                 "leave params=False."
             )
+
+    def check_backend(self, mesh: jax.sharding.Mesh) -> None:
+        """Raises where the mesh's backend (or this JAX) cannot do what is asked (when the
+        optimizer is built, before anything is traced)."""
         if self.offloads:
             _check_host_memory(mesh, self)
         if self.optimizer == "host":
@@ -134,18 +138,9 @@ def _check_host_compute() -> None:
         )
 
 
-def as_offload(offload: Any, moved: dict[str, Any]) -> Offload:
-    """``ZeroOptimizer(offload=...)`` as an :class:`Offload`: None, the shorthand
-    ``"optimizer"`` (``Offload(optimizer="stream")``) or an ``Offload``. ``moved`` holds
-    the keyword arguments the optimizer no longer takes (``offload_chunk``)."""
-    if "offload_chunk" in moved:
-        chunk = moved.pop("offload_chunk")
-        raise TypeError(
-            f"ZeroOptimizer(offload_chunk={chunk!r}): the chunk size is an offload option "
-            f"now; pass offload=jzero.Offload(optimizer='stream', chunk={chunk!r})."
-        )
-    if moved:
-        raise TypeError(f"ZeroOptimizer got unexpected keyword arguments {sorted(moved)}.")
+def as_offload(offload: Any) -> Offload:
+    """``offload=`` as an :class:`Offload`: None, the shorthand ``"optimizer"``
+    (``Offload(optimizer="stream")``) or an ``Offload``."""
     if offload is None:
         return Offload()
     if isinstance(offload, Offload):

@@ -1,0 +1,66 @@
+"""How gradients are summed over the data axis: the :class:`Reducer` strategy.
+
+Exact (``psum_scatter`` in the precision's reduce dtype) or quantized (ZeRO++'s qgZ,
+:mod:`.quantize`), leaf by leaf or as one flat collective per layer (:mod:`.buckets`).
+Built once from the run's configuration (:meth:`Reducer.of`); every reduce-scatter of a
+step -- after backward at stage 1, inside backward at stages 2/3 (:mod:`.gatherer`'s
+handles, prefetched scans) -- goes through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..leaf_layout import LeafLayout, pad
+from ..mesh import DATA
+from ..options.communication import Quant
+from ..options.zero_config import ZeroConfig
+from .buckets import reduce_scatter_flat
+from .quantize import quantized_reduce_scatter
+
+
+@dataclasses.dataclass(frozen=True)
+class Reducer:
+    """How a step reduce-scatters its gradients (static: hashable, part of the trace).
+
+    Attributes:
+        dtype: the dtype gradients are reduced in (``Precision.reduce_dtype``).
+        quant: how they are quantized on the wire (``Communication.grad_quant``), or None.
+    """
+
+    dtype: np.dtype
+    quant: Quant | None = None
+
+    @classmethod
+    def of(cls, config: ZeroConfig) -> Reducer:
+        """The reducer ``config`` asks for."""
+        return cls(np.dtype(config.precision.reduce_dtype), config.comm.grad_quantizer)
+
+    def scatter(self, grads: list, layouts: Any, *, flat: bool = False) -> list:
+        """Local full gradients -> this device's shards of their sums over 'data', in
+        :attr:`dtype`: one collective per leaf, or (``flat``) one flat one per call."""
+        grads = [g.astype(self.dtype) for g in grads]
+        if flat:
+            return scatter_flat(grads, layouts, self.quant)
+        return [reduce_scatter(g, lay, self.quant) for g, lay in zip(grads, layouts)]
+
+
+def reduce_scatter(grad: jax.Array, layout: LeafLayout, quant: Quant | None = None) -> jax.Array:
+    """Local full gradient -> this device's shard of the sum over devices (``quant``: sent
+    quantized, :func:`.quantize.quantized_reduce_scatter`)."""
+    if quant is not None:
+        return quantized_reduce_scatter([grad], [layout], quant=quant)[0]
+    return jax.lax.psum_scatter(
+        pad(grad, layout), DATA, scatter_dimension=layout.axis(grad), tiled=True
+    )
+
+
+def scatter_flat(grads: list, layouts: Any, quant: Quant | None) -> list:
+    """:func:`.buckets.reduce_scatter_flat`, or its quantized form with ``quant``."""
+    if quant is not None:
+        return quantized_reduce_scatter(grads, layouts, quant=quant)
+    return reduce_scatter_flat(grads, layouts)

@@ -1,0 +1,102 @@
+"""The optimizer step's three strategies, behind one protocol: :class:`Updater`.
+
+- ``device``: the Optax update on the sharded arrays in device memory (:func:`device_update`).
+- ``stream``: the Optax state and fp32 master weights rest in host memory and stream through
+  the device, one piece at a time (:func:`.offload.update.offloaded_update`); stage 3's
+  offloaded parameters stream the same way when the optimizer stays on the device.
+- ``host``: the update runs on the host (:func:`.offload.host_step.host_update`).
+
+:func:`make_updater` picks one from the configuration when the step is built; the step
+calls it once per step. Each returns the new parameters (true shapes, on the device), the
+stored Optax state and the stored master weights (None without).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .grad_reduction import Gradients
+from .offload.host_step import host_update
+from .offload.update import offloaded_update
+from .options.precision import Precision
+from .options.zero_config import ZeroConfig
+from .plan import Plan
+from .stored_form import constrain, store, to_device, view
+
+
+class UpdateFn(Protocol):
+    """What each strategy runs: the Optax update of one step, in the global view.
+
+    ``weights`` are the stored fp32 master weights, or the stored parameters without them;
+    ``finite`` (or None) says whether to apply the update or keep the old values.
+    """
+
+    def __call__(
+        self,
+        tx: optax.GradientTransformation,
+        precision: Precision,
+        plan: Plan,
+        grads: Gradients,
+        opt_state: Any,
+        weights: Any,
+        finite: jax.Array | None,
+    ) -> tuple[Any, Any, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Updater:
+    """One optimizer-step strategy bound to its Optax transformation and precision.
+
+    ``updater(plan, grads, opt_state, weights, finite) -> (params, opt_state, master)``.
+    """
+
+    name: str  # "device", "stream" or "host"
+    run: UpdateFn
+    tx: optax.GradientTransformation
+    precision: Precision
+
+    def __call__(self, plan: Plan, grads: Gradients, opt_state: Any, weights: Any, finite):
+        return self.run(self.tx, self.precision, plan, grads, opt_state, weights, finite)
+
+
+def make_updater(tx: optax.GradientTransformation, config: ZeroConfig) -> Updater:
+    """The updater ``config`` asks for: on the host, streamed through the device (an
+    offloaded optimizer, or stage 3's offloaded parameters: never every weight on the
+    device at once), or on the device."""
+    offload, precision = config.offload, config.precision
+    if offload.optimizer == "host":
+        return Updater("host", host_update, tx, precision)
+    if offload.optimizer == "stream" or offload.params:
+        return Updater("stream", offloaded_update, tx, precision)
+    return Updater("device", device_update, tx, precision)
+
+
+def device_update(
+    tx: optax.GradientTransformation,
+    precision: Precision,
+    plan: Plan,
+    grads: Gradients,
+    opt_state: Any,
+    weights: Any,
+    finite: jax.Array | None,
+) -> tuple[Any, Any, Any]:
+    """The Optax update with the state on the device (:class:`UpdateFn`)."""
+    stored = plan.master if plan.master is not None else plan.params
+    old = view(to_device(plan, weights, stored), stored)
+    old_state = view(opt_state, plan.opt)
+    updates, opt_state = tx.update(grads.averaged, old_state, old)
+    master = optax.apply_updates(old, updates)
+    if finite is not None:  # the old values where the step is skipped
+        keep = lambda new, old: jnp.where(finite, new, old)
+        master = jax.tree.map(keep, master, old)
+        opt_state = jax.tree.map(keep, opt_state, old_state)
+    opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
+    params = precision.cast(master)
+    if plan.master is None:
+        return params, opt_state, None
+    return params, opt_state, constrain(plan, store(master, plan.master), plan.master)
