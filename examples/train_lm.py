@@ -265,19 +265,28 @@ def make_optimizer(args, mesh, ds=None):
     )
     if ds is None:
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-        offload = None
-        if args.offload or args.offload_params:
-            offload = jzero.Offload(optimizer=args.offload, params=args.offload_params)
-        comm = jzero.Communication(grad_quant=args.grad_quant)
-        opt = jzero.ZeroOptimizer(
-            tx, mesh, stage=args.stage, precision=run_precision(args), comm=comm, offload=offload
-        )
-        return opt, schedule
+        return jzero.ZeroOptimizer(tx, mesh, config=run_config(args)), schedule
     if ds.learning_rate is not None:
         lr = ds.learning_rate
         schedule = lr if callable(lr) else optax.constant_schedule(lr)
     own = None if ds.tx is not None else optax.adamw(schedule, weight_decay=0.1)
     return ds.optimizer(mesh, tx=own), schedule
+
+
+def run_config(args) -> jzero.ZeroConfig:
+    """The run's :class:`jzero.ZeroConfig` from the flags (``--stage``, ``--precision``,
+    ``--grad-quant``, ``--offload``, ``--offload-params``, ``--grad-accum``; every step
+    of the main job gathers by hand, per layer)."""
+    offload = None
+    if args.offload or args.offload_params:
+        offload = jzero.Offload(optimizer=args.offload, params=args.offload_params)
+    return jzero.ZeroConfig(
+        stage=args.stage,
+        precision=run_precision(args),
+        comm=jzero.Communication(grad_quant=args.grad_quant),
+        offload=offload,
+        step=jzero.StepOptions(manual_gather=True, grad_accum=args.grad_accum),
+    )
 
 
 def make_logger(out: Path) -> logging.Logger:

@@ -163,7 +163,7 @@ ZERO3_VARIANTS = (
 # order (default); int8 gathers change the forward's weights, so only close; int8 gradient
 # reduce-scatters (stochastic rounding) move AdamW's trajectory a little: measured 6.6e-6
 # on the full run, 1.1e-5 to 2.0e-4 on --quick (4 seeds) and 3.4e-5 to 1.8e-4 on
-# tests/test_bench.py's one-layer model (3 seeds), so 1e-3, 5x the largest; an offloaded
+# tests/project/test_bench.py's one-layer model (3 seeds), so 1e-3, 5x the largest; an offloaded
 # update runs the same equations, so bitwise.
 OFFLOAD_SAVED = 0.8  # zero3_offload: (zero3's device peak - its own) / its host bytes, at least
 LOSS_TOL = {"zero3_int8": 0.05, "zero3_fp8": 0.05, "zero3_qgz": 1e-3, "zero3_offload": 0.0}
@@ -706,7 +706,7 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
 # model activations set the peak, the fixed cost of each collective sets the step time, and
 # the leaves backward does not re-gather (their values are not needed: biases, LayerNorm
 # scales) take zero3's comm below theory: 0.95 at --quick's 118,528 params, and 0.67 on one
-# layer of width 32 (tests/test_bench.py), where backward re-gathers nothing.
+# layer of width 32 (tests/project/test_bench.py), where backward re-gathers nothing.
 QUICK_TARGETS = ("states", "comm", "collectives", "loss", "host")
 QUICK_CHECKS = (
     "states/theory (zero1-3), comm/theory (dp, zero1, zero2), zero3_bucket collectives per "

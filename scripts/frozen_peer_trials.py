@@ -1,14 +1,14 @@
 """Frozen-peer trials: does jzero's watchdog speak before JAX's heartbeat abort, every time?
 
-Each trial starts 2 processes on 127.0.0.1 (2 CPU devices each, ``tests/mp_failure_worker.py``)
-training under ``jzero.distributed.bounded()``, freezes one of them (SIGSTOP) at a random
-moment after a random step, and records which came first in the survivor's output: jzero's
-message or JAX's abort (``Terminating process because the JAX distributed service...``),
-and the seconds from the freeze to jzero's message and to the survivor's exit. Then it
-resumes the frozen process (SIGCONT) and records what that one says, and whether the step
-the survivor named is the one the frozen process last finished. A run that fails before
-the freeze (e.g. at start-up) is reported and replaced, not counted. Slow (start-up and the
-timeouts), CPU-light while frozen.
+Each trial starts 2 processes on 127.0.0.1 (2 CPU devices each,
+``tests/workers/mp_failure_worker.py``) training under ``jzero.distributed.bounded()``,
+freezes one of them (SIGSTOP) at a random moment after a random step, and records which
+came first in the survivor's output: jzero's message or JAX's abort (``Terminating process
+because the JAX distributed service...``), and the seconds from the freeze to jzero's
+message and to the survivor's exit. Then it resumes the frozen process (SIGCONT) and
+records what that one says, and whether the step the survivor named is the one the frozen
+process last finished. A run that fails before the freeze (e.g. at start-up) is reported
+and replaced, not counted. Slow (start-up and the timeouts), CPU-light while frozen.
 
     .venv/bin/python scripts/frozen_peer_trials.py --trials 20 \
         --json benchmarks/frozen_peer_trials.json
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "mp_failure_worker.py"
+WORKER = REPO / "tests" / "workers" / "mp_failure_worker.py"
 JAX_ABORT = "Terminating process because the JAX distributed service"
 
 

@@ -8,7 +8,7 @@ Gaussian noise of ``2^-bits`` times each gradient leaf's RMS added to every grad
 element at every step (fp32 rounds at 2^-24 relative), and prints each noisy run's
 largest relative loss difference from the exact run, and at which step.
 
-    # tests/test_train_lm.py's runs (examples/train_lm.py's clipped AdamW, warmup + cosine)
+    # tests/project/test_train_lm.py's runs (examples/train_lm.py's clipped AdamW, warmup + cosine)
     python scripts/sensitivity.py --steps 20 --batch 8 --schedule cosine --clip 1.0 --bits 20
     # tests/_lm.py's (constant-lr AdamW, 200 steps): chaotic
     python scripts/sensitivity.py --steps 200 --batch 16 --schedule constant --bits 20

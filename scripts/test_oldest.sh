@@ -13,8 +13,10 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
 .venv-oldest/bin/python -m pip install -q -e '.[dev]' -c ci/oldest-pins.txt
 # The fast tests of the subset, and the whole of test_gpu_check (its dry run is `slow`).
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
-    tests/test_versions.py tests/test_jax_internals.py tests/test_moved_internals.py \
-    tests/test_parity.py tests/test_hlo_stages.py tests/test_flax.py tests/test_autogather.py \
-    tests/test_prefetch.py tests/test_precision.py tests/test_checkpoint.py \
-    tests/test_offload_host_step.py tests/test_memory_spaces.py "$@"
-.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m '' tests/test_gpu_check.py "$@"
+    tests/internal/test_versions.py tests/internal/test_jax_internals.py \
+    tests/core/test_moved_internals.py tests/core/test_parity.py tests/core/test_precision.py \
+    tests/core/test_config.py tests/core/gather/test_autogather.py \
+    tests/core/gather/test_prefetch.py tests/core/offload/test_offload_host_step.py \
+    tests/accounting/test_hlo_stages.py tests/accounting/test_memory_spaces.py \
+    tests/adapters/test_flax.py tests/checkpoint/test_checkpoint.py "$@"
+.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m '' tests/project/test_gpu_check.py "$@"

@@ -164,3 +164,33 @@ def assert_tree_close(got: Any, want: Any, *, rtol: float, atol: float) -> None:
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
     chex.assert_trees_all_close(got, want, rtol=rtol, atol=atol)
+
+
+def _labels(params):
+    return {k: ("freeze" if k == "emb" else "train") for k in params}
+
+
+def _decay_mask(params):
+    return {k: v.ndim == 2 for k, v in params.items()}
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+    "masked": lambda: optax.chain(
+        optax.masked(optax.add_decayed_weights(0.1), _decay_mask), optax.adam(1e-2)
+    ),
+    "multi_transform_frozen": lambda: optax.multi_transform(
+        {"train": optax.adam(1e-2), "freeze": optax.set_to_zero()}, _labels
+    ),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+    "lamb": lambda: optax.lamb(1e-2),
+    "lars": lambda: optax.lars(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "inject_schedule": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.01
+    ),
+}

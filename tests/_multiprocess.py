@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-REPO = Path(__file__).resolve().parents[1]
+from _paths import REPO, TESTS
 
 # The training runs of mp_worker.py's "train" mode: name -> (stage, Communication keywords).
 # "3-int8": ZeRO++'s int8 all-gathers (qwZ) and int8 gradient all-to-alls (qgZ) crossing
@@ -53,7 +53,7 @@ def run_processes(
         "JZERO_COORDINATOR": f"127.0.0.1:{port}",
         "JZERO_NUM_PROCESSES": str(n),
         "JZERO_LOCAL_CPU_DEVICES": str(local_devices),
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]),
     }
     start = time.monotonic()
     procs = [

@@ -3,7 +3,11 @@
 memory kinds a tree's leaves rest in."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+
+import jzero
 
 HOST = "pinned_host"
 TXS = {
@@ -18,3 +22,32 @@ TXS = {
 def memory_kinds(tree) -> set[str]:
     """The memory kinds of ``tree``'s (array) leaves."""
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+
+
+def full_parts(opt, state):
+    full = opt.full_state(state)
+    return full.params, full.opt_state, full.master
+
+
+FP16 = jzero.Precision(param_dtype=jnp.float16, initial_loss_scale=2.0**10)
+
+
+def assert_overflow_skipped_as_without_offload(make_opt, params, loss_fn, batches) -> None:
+    """Batches (good, overflowing, good) at fp16: the offloaded optimizer
+    (``make_opt(offload)``) skips the same step and ends bitwise where the other one does."""
+    finals, skipped = [], []
+    for offload in (None, "optimizer"):
+        opt = make_opt(offload)
+        state, step = opt.init(params), opt.train_step(loss_fn)
+        history = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            history.append(int(metrics["skipped"]))
+        finals.append(full_parts(opt, state))
+        skipped.append(history)
+    assert skipped == [[0, 1, 0], [0, 1, 0]]
+    for got, want in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[0])):
+        np.testing.assert_array_equal(got, want)

@@ -17,10 +17,10 @@ Examples:
 Stage 3 holds about one layer's gathered parameters at a time with
 ``TrainState.create(model, ..., layers=Block)``: every instance of ``Block`` in the model
 gathers its own Params at its call (rematerialised, again in backward), with no edit to the
-model (see ``tests/test_nnx_layers_option.py``). By hand, with
+model (see ``tests/adapters/test_nnx_layers_option.py``). By hand, with
 ``state.train_step(loss_fn, manual_gather=True)``, the model gathers each layer where it
-uses it, through :func:`remat_layer` (e.g. in the body of an ``nnx.scan``) and
-:func:`gathered` (see ``tests/test_nnx_layers.py``).
+uses it, through :func:`remat_module` (e.g. in the body of an ``nnx.scan``) and
+:func:`gathered` (see ``tests/adapters/test_nnx_layers.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .nnx_layers import by_layer, check_layers, layer_classes
 from .nnx_remat import gathered as gathered
 from .nnx_remat import is_sharded, split
 from .nnx_remat import remat_layer as remat_layer
+from .nnx_remat import remat_module as remat_module
 from .shared import AdapterStep, adapter_optimizer, adapter_options
 from .specs import nnx_specs
 
@@ -100,7 +101,7 @@ class TrainState:
         ``layers``: an ``nnx.Module`` class (or a tuple of them), e.g. ``layers=Block``, for
         FSDP-style per-layer gathering with no edit to the model: in stages 2/3 every
         instance of them in ``model`` gathers its own Params when called (its
-        ``__call__``), through :func:`remat_layer` (again in backward), and every other
+        ``__call__``), through :func:`remat_module` (again in backward), and every other
         Param is gathered once at the start of the step; stage 3 then holds about one
         layer's gathered Params at a time. ``train_step`` then always runs with
         ``manual_gather`` on. Layers are found in the module graph (their outermost
@@ -154,7 +155,7 @@ class TrainState:
 
         With ``manual_gather=True`` the module's sharded Params hold :class:`jzero.Sharded`
         handles in stages 2/3 and ``loss_fn`` gathers each submodule where it uses it:
-        layers through :func:`remat_layer` (stage 3 then holds about one layer's gathered
+        layers through :func:`remat_module` (stage 3 then holds about one layer's gathered
         parameters at a time), other submodules through :func:`gathered`. Both leave plain
         arrays as they are (stages 0/1, or the model outside jzero), so one ``loss_fn``
         serves every stage. With ``TrainState.create(..., layers=...)``, ``manual_gather``

@@ -2,10 +2,10 @@
 
 FSDP2's wrapping policy without editing the model: in stages 2/3 every instance of the
 named ``nnx.Module`` classes gathers its own Params at its call, through
-:func:`jzero.nnx.remat_layer` (again in backward), and every other Param is gathered once
+:func:`jzero.nnx.remat_module` (again in backward), and every other Param is gathered once
 up front. The mechanism is graph surgery on the module merged for each traced step (never
 on the user's model): each layer instance is swapped, in its parent, for a thin wrapper
-module whose ``__call__`` runs the original through ``remat_layer``; the parents are
+module whose ``__call__`` runs the original through ``remat_module``; the parents are
 restored before the step reads the model's other state back. No monkeypatching.
 """
 
@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from ..core.comm.gatherer import Sharded, gather
-from .nnx_remat import remat_layer
+from .nnx_remat import remat_module
 from .shared import layer_classes as _classes
 
 _is_sharded = lambda x: isinstance(x, Sharded)
@@ -76,7 +76,7 @@ def _set(parent: Any, key: Any, value: Any) -> None:
 
 
 def _call_layer(layer: nnx.Module, args: tuple, kwargs: dict) -> Any:
-    """``layer(*args, **kwargs)`` through :func:`jzero.nnx.remat_layer`; array leaves of
+    """``layer(*args, **kwargs)`` through :func:`jzero.nnx.remat_module`; array leaves of
     the arguments are traced, the others (flags, ``None``) are closed over."""
 
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -89,7 +89,7 @@ def _call_layer(layer: nnx.Module, args: tuple, kwargs: dict) -> Any:
         a, k = jax.tree.unflatten(treedef, full)
         return module(*a, **k)
 
-    return remat_layer(fn)(layer, *(leaves[i] for i in dynamic))
+    return remat_module(fn)(layer, *(leaves[i] for i in dynamic))
 
 
 class _Layer(nnx.Module):

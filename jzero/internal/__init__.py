@@ -6,10 +6,10 @@ collective over an axis the step lacks. That needs parts of JAX outside its publ
 ``jax.extend.core`` (jaxpr types, primitives), two parts of ``jax._src`` (shard_map's
 varying-axes check flag, the coordination service), primitive parameter names, the operand order of
 higher-order primitives and the text of one JAX error. They are all here and nowhere else
-in jzero (``tests/test_structure.py`` checks it); the rest of jzero uses public JAX.
+in jzero (``tests/project/test_structure.py`` checks it); the rest of jzero uses public JAX.
 
 This package makes no stability promises: its names and behaviour may change in any
-release, following whatever the installed JAX needs. ``tests/test_jax_internals.py`` names
+release, following whatever the installed JAX needs. ``tests/internal/test_jax_internals.py`` names
 each internal it relies on and fails, naming the internal and the JAX version, when a JAX
 release changes one.
 

@@ -17,7 +17,7 @@ Error: rounding to the nearest step of ``absmax / 127`` moves an element by at m
 way by 2 ulp of a value below 128 (2**-17 each), and the bound then holds times
 ``1 + 2**-15`` (the lent H200 measured ``1 + 1.8e-5``; XLA:CPU ``1 + 1e-6``). For N(0, 1)
 values in blocks of 256 the relative L2 error ``|x - x̂| / |x|`` of a gathered weight is about 7e-3
-(``tests/test_quantized_gather.py`` measures it); smaller blocks lower it (and send more
+(``tests/core/comm/test_quantized_gather.py`` measures it); smaller blocks lower it (and send more
 scales). Zeros (the layout's padding, all-zero blocks) are exact. Values are dequantized
 in fp32 and cast to the parameter dtype, so with bf16 parameters bf16's own rounding adds
 to it. A block holding an inf or NaN dequantizes to non-finite values throughout.
@@ -36,7 +36,7 @@ spacing at ``y``::
 (fp32's own rounding of ``x / scale`` and ``q * scale`` aside): at most 1/16 of ``|x|``
 in e4m3's normal range (``y >= 2 ** -6``, i.e. ``|x| >= absmax / 28672``), at most
 ``absmax / 458752`` below it, where e4m3's subnormals are spaced ``2 ** -9``. The bound is
-reached (``tests/test_fp8_gather.py`` checks it element by element, and that it is tight).
+reached (``tests/core/comm/test_fp8_gather.py`` checks it element by element, and that it is tight).
 Its relative L2 error is about 2.6e-2 on N(0, 1) values at ``block=256``, nearly
 independent of the block size, where int8's is 7e-3: near a block's absmax e4m3's steps
 are coarser than int8's. fp8 is the better of the two where a block mixes a few large
@@ -47,7 +47,7 @@ times. One fp32 scale per block, as int8, rather than one per tensor (per leaf s
 the error is the same or lower on every set measured (N(0, 1): 2.61e-2 against 2.64e-2;
 Student-t with 3 degrees of freedom: 2.30e-2 against 2.60e-2), for 1.6 % more bytes
 than fp8 values alone; a large ``block`` (4096: 0.2502x fp32) comes within 0.1 % of one
-scale per shard's bytes (``tests/test_fp8_gather.py`` measures these).
+scale per shard's bytes (``tests/core/comm/test_fp8_gather.py`` measures these).
 
 Gradient: straight-through. Quantization happens inside jzero's gather (a ``custom_vjp``
 whose backward reduce-scatters the cotangent in the reduce dtype), so the gradient a step

@@ -1,0 +1,230 @@
+"""scripts/gpu_check.sh: the dry run (CPU, tiny sizes) runs every piece and part and
+writes one JSON whose every target is PASS / FAIL or a skip with its reason; the mock-GPU
+piece skips its targets for want of a GPU while its schedule reader ran on CPU HLO. The
+targets across parts (offload, mock8) are computed exactly from recorded figures, and
+``--only`` is read strictly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _paths import REPO
+
+from jzero.cli.units import parse_bytes
+
+ROOT = REPO
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_check  # noqa: E402  (scripts/gpu_check.py)
+
+PARTS = {
+    "offload": ["none", "streamed", "host_step", "host_step_params"],
+    "mock8": ["overlap", "dp", "zero1", "zero2", "zero3"],
+    "offload_fixed": ["none", "host_step", "streamed"],
+}
+MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "host_memory_bytes"}
+
+
+def _results(doc: dict) -> list[dict]:
+    found = []
+    for entry in doc["pieces"].values():
+        found += [entry, *entry.get("parts", {}).values()]
+    return found
+
+
+def _check_target(t: dict) -> None:
+    assert t["status"] in ("PASS", "FAIL", "SKIP"), t
+    if t["status"] == "SKIP":
+        assert t["reason"].startswith("skipped: ") and len(t["reason"]) > 20, t
+    else:
+        assert t["text"] and isinstance(t["measured"], float), t
+        assert t["bound"] is not None, t
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    path = tmp_path_factory.mktemp("gpu_check") / "out.json"
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--json", str(path)],
+        capture_output=True, text=True, timeout=1500, env=os.environ | {"PYTHON": sys.executable},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_piece_with_checked_or_explained_targets(dry_run):
+    done, doc = dry_run
+    assert doc["dry_run"] is True
+    assert doc["machine"].keys() >= MACHINE and doc["machine"]["platform"] == "cpu"
+    assert list(doc["pieces"]) == list(gpu_check.PIECES)
+    for piece, parts in PARTS.items():
+        assert list(doc["pieces"][piece]["parts"]) == parts
+    for result in _results(doc):
+        assert not result.get("error"), result["error"]
+        for t in result["targets"]:
+            _check_target(t)
+    counts = {s: 0 for s in ("PASS", "FAIL", "SKIP")}
+    for result in _results(doc):
+        for t in result["targets"]:
+            counts[t["status"]] += 1
+    assert doc["summary"] == counts | {"errors": 0}
+    assert f"summary: {doc['summary']}" in done.stdout
+    n1 = doc["pieces"]["n1"]
+    assert [t["name"] for t in n1["targets"]] == [f"n1 stage{k} time" for k in range(4)]
+    assert [r["name"] for r in n1["runs"]] == ["plain_jit", "stage0", "stage1", "stage2", "stage3"]
+
+
+@pytest.mark.slow
+def test_dry_run_offload_modes_run_or_say_they_are_missing(dry_run):
+    _, doc = dry_run
+    parts = doc["pieces"]["offload"]["parts"]
+    for name in ("none", "streamed"):
+        part = parts[name]
+        assert part["search"]["layers"] >= 1 and part["train"]["ms_per_token"] > 0
+        assert part["search"]["peak_bytes"] <= part["budget"]["device"]
+        assert part["search"]["host_bytes"] <= part["budget"]["host"]
+    assert parts["none"]["search"]["host_bytes"] == 0
+    assert parts["streamed"]["search"]["host_bytes"] > 0  # pinned_host on CPU too
+    for name in ("host_step", "host_step_params"):
+        part = parts[name]
+        assert "train" in part or part["skipped"].startswith("skipped: mode not available")
+
+
+@pytest.mark.slow
+def test_dry_run_mock8_skips_for_want_of_a_gpu_but_reads_the_cpu_schedule(dry_run):
+    _, doc = dry_run
+    mock8 = doc["pieces"]["mock8"]
+    targets = mock8["targets"] + mock8["parts"]["overlap"]["targets"]
+    assert targets and all(t["reason"].startswith("skipped: no GPU") for t in targets)
+    gathers = mock8["parts"]["overlap"]["all_gathers"]
+    for name in ("zero3_auto", "zero3_prefetch"):
+        assert gathers[name]["runs"] > 0  # the reader found the stage-3 gathers
+        assert gathers[name]["overlapped_fraction"] == 0.0  # XLA:CPU's are synchronous
+    for entry in ("dp", "zero1", "zero2", "zero3"):
+        stage = mock8["parts"][entry]["stage"]
+        assert stage["name"] == entry and stage["peak_bytes"] <= parse_bytes("1.5MB")
+
+
+def test_only_selects_pieces_and_parts_in_order_and_refuses_unknown_names():
+    assert gpu_check._units("offload:host_step,n1") == [("n1", None), ("offload", "host_step")]
+    assert gpu_check._units("mock8")[0] == ("mock8", "overlap")
+    with pytest.raises(ValueError, match="unknown 'offload:host'"):
+        gpu_check._units("offload:host")
+
+
+def test_quick_runs_every_claim_once_within_one_ten_minute_command():
+    units = gpu_check._units(None, quick=True)
+    assert units == [("n1", None), ("offload_fixed", "none"), ("offload_fixed", "host_step"),
+                     ("offload_fixed", "streamed"), ("mock8", "overlap"),
+                     ("table2", None)]  # fmt: skip
+    assert sum(gpu_check.QUICK.values()) <= 10 * 60 - 60  # the machine probe and starts
+    with pytest.raises(ValueError, match="--quick runs its own units"):
+        gpu_check._units("n1", quick=True)
+
+
+@pytest.mark.slow
+def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
+    _, doc = dry_run
+    fixed = doc["pieces"]["offload_fixed"]["parts"]
+    assert fixed["none"]["host_bytes"] == 0 < fixed["host_step"]["host_bytes"]
+    assert fixed["none"]["train"]["params"] == fixed["host_step"]["train"]["params"]
+    for mode in ("host_step", "streamed"):  # on CPU the replay: the state off the device
+        saved = fixed["none"]["compiled_peak_bytes"] - fixed[mode]["compiled_peak_bytes"]
+        assert saved >= 0.8 * fixed[mode]["host_bytes_at_rest"] > 0, mode
+    stages = doc["pieces"]["table2"]["stages"]
+    assert list(stages) == ["dp", "zero1", "zero2", "zero3"]
+    layers = [stages[s]["layers"] for s in stages]
+    assert layers == sorted(layers) and layers[-1] > layers[0]  # each stage fits more
+
+
+def test_fixed_offload_targets_compare_the_host_step_with_none():
+    import gpu_offload
+
+    def mode(peak, ms, compiled=None, at_rest=0):
+        return {"allocator_peak_bytes": peak, "compiled_peak_bytes": compiled or peak,
+                "host_bytes_at_rest": at_rest,
+                "train": {"params": 10**9, "step_ms_median": ms}}  # fmt: skip
+
+    found = {t["name"]: t for t in gpu_offload.fixed_targets(
+        {"none": mode(100, 200.0), "host_step": mode(55, 280.0, compiled=60),
+         "streamed": mode(60, 300.0, at_rest=50)})}  # fmt: skip
+    peak, time = found["offload fixed host_step peak"], found["offload fixed host_step time"]
+    assert (peak["status"], peak["measured"]) == ("PASS", 0.55)
+    assert (time["status"], time["measured"]) == ("PASS", 1.4)
+    streamed = found["offload fixed streamed peak"]  # saved 40 of the 50 it offloads
+    assert (streamed["status"], streamed["measured"]) == ("PASS", 0.8)
+    agree = found["offload fixed host_step allocator vs compiled"]  # 55 against 60
+    assert agree["status"] == "PASS" and agree["measured"] == pytest.approx(55 / 60 - 1)
+    found = {t["name"]: t for t in gpu_offload.fixed_targets(
+        {"none": mode(100, 200.0), "host_step": mode(99, 520.0, compiled=80),
+         "streamed": mode(70, 300.0, at_rest=50)})}  # fmt: skip
+    assert found["offload fixed streamed peak"]["status"] == "FAIL"  # 0.6 x its state
+    assert found["offload fixed host_step allocator vs compiled"]["status"] == "FAIL"
+    assert found["offload fixed host_step peak"]["status"] == "FAIL"
+    assert found["offload fixed host_step time"]["status"] == "FAIL"
+    found = gpu_offload.fixed_targets({"none": mode(None, 1.0), "host_step": mode(None, 1.0)})
+    assert found[0]["reason"] == "skipped: no allocator statistics (CPU)"
+
+
+def _mode(params: int, host_bytes: int, ms: float, *, at_none: float | None = None) -> dict:
+    part = {
+        "budget": {"device": 100, "host": 95, "host_limit": 100 * 10**9},
+        "search": {"params": params, "host_bytes": host_bytes},
+        "train": {"params": params, "ms_per_token": ms, "layers": 3},
+    }
+    return part | ({"train_at_none_size": {"ms_per_token": at_none}} if at_none else {})
+
+
+def test_offload_targets_measure_against_the_pinned_host_limit_and_none_s_time():
+    import gpu_offload
+
+    parts = {
+        "none": _mode(10**9, 0, 1.0),
+        # 12 host bytes per parameter: 100e9 / 12 = 8.33e9 allowed; 8e9 is 0.96 of it
+        "host_step": _mode(8 * 10**9, 96 * 10**9, 3.0, at_none=1.5),
+        "host_step_params": {"skipped": "skipped: mode not available in this build (x)"},
+    }
+    found = {t["name"]: t for t in gpu_offload.targets(parts)}
+    size, time = found["offload host_step size"], found["offload host_step time"]
+    assert (size["status"], size["measured"]) == ("PASS", pytest.approx(0.96))
+    assert (time["status"], time["measured"]) == ("PASS", 1.5)
+    assert found["offload host_step_params params on host"]["reason"].startswith("skipped: ")
+    missing = found["offload host_step_params size"]
+    assert missing == {"name": missing["name"], "status": "SKIP", "reason": parts[
+        "host_step_params"]["skipped"]}  # fmt: skip
+    parts["host_step"] = _mode(6 * 10**9, 72 * 10**9, 3.0, at_none=2.5)
+    found = {t["name"]: t for t in gpu_offload.targets(parts)}
+    assert found["offload host_step size"]["status"] == "FAIL"  # 0.72 of the allowed size
+    assert found["offload host_step time"]["status"] == "FAIL"  # 2.5 x none's
+    parts["host_step_params"] = _mode(6 * 10**9, 96 * 10**9, 3.0)  # 16 vs 12 bytes/param
+    found = {t["name"]: t for t in gpu_offload.targets(parts)}
+    on_host = found["offload host_step_params params on host"]
+    assert (on_host["status"], on_host["measured"]) == ("PASS", 4.0)
+    del parts["none"], parts["host_step"]["train_at_none_size"]
+    found = {t["name"]: t for t in gpu_offload.targets(parts)}
+    assert found["offload host_step time"]["reason"].startswith("skipped: needs offload:none")
+
+
+def test_mock8_table2_target_needs_both_entries_on_the_gpu_compiler():
+    import gpu_mock8
+
+    part = lambda params, compiler: {"stage": {"params": params}, "compiler": compiler}
+    (t,) = gpu_mock8.targets({"dp": part(10**9, "gpu"), "zero3": part(75 * 10**8, "gpu")})
+    assert (t["status"], t["measured"], t["bound"]) == ("PASS", 7.5, 7.0)
+    (t,) = gpu_mock8.targets({"dp": part(10**9, "cpu"), "zero3": part(75 * 10**8, "cpu")})
+    assert t["status"] == "SKIP" and t["reason"].startswith("skipped: no GPU")
+    (t,) = gpu_mock8.targets({"dp": part(10**9, "gpu")})
+    assert t["reason"].startswith("skipped: needs mock8:dp and mock8:zero3")
+
+
+def test_a_dry_run_refuses_to_overwrite_gpu_results(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"dry_run": False, "pieces": {"n1": {"targets": []}}}))
+    with pytest.raises(ValueError, match="holds GPU results"):
+        gpu_check._load(path, dry_run=True)
+    assert gpu_check._load(path, dry_run=False)["pieces"] == {"n1": {"targets": []}}
