@@ -21,6 +21,7 @@ F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -151,3 +152,21 @@ def make_loss_fn(cfg: GPTConfig):
 
 def count_params(params: Any) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def problem(
+    *, d_model: int = 128, n_layers: int = 4, n_heads: int = 4, seq_len: int = 64,
+    batch: int = 64, lr: float = 3e-4,
+) -> dict[str, Any]:  # fmt: skip
+    """The GPT's training step as :func:`jzero.autoconfigure` takes it (and ``python -m jzero
+    autoconfigure examples/gpt.py:problem --set d_model=256``): its loss, parameters (made
+    under ``jit``, never whole on one device), a global batch of ``batch`` sequences,
+    AdamW, and the one option the loss needs (it gathers per layer: ``manual_gather``)."""
+    cfg = GPTConfig(seq_len=seq_len, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+    return {
+        "loss_fn": make_loss_fn(cfg),
+        "init_fn": functools.partial(init_params, cfg, jax.random.key(0)),
+        "batch": {"tokens": jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)},
+        "tx": optax.adamw(lr, weight_decay=0.1),
+        "config": jzero.ZeroConfig(stage=0, step=jzero.StepOptions(manual_gather=True)),
+    }

@@ -64,6 +64,7 @@ from devices import bounded, global_batch, setup_devices, sync_processes
 from tqdm import tqdm
 
 import jzero
+from jzero.cli.units import parse_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data  # noqa: E402
@@ -103,9 +104,34 @@ def positive_int(text: str) -> int:
     return value
 
 
+def stage_arg(text: str) -> int | str:
+    """``--stage``: 0-3, or ``auto`` (:func:`jzero.autoconfigure` chooses the configuration)."""
+    if text == "auto":
+        return text
+    if text not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0, 1, 2, 3 or auto")
+    return int(text)
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=3)
+    p.add_argument(
+        "--stage",
+        type=stage_arg,
+        default=3,
+        help="ZeRO stage 0-3, or auto: the stage, offload and micro-batches that fit "
+        "--device-budget (and --host-budget) with the lowest predicted step time",
+    )
+    p.add_argument(
+        "--device-budget",
+        type=parse_bytes,
+        help="with --stage auto: device memory per device (default: the device's)",
+    )
+    p.add_argument(
+        "--host-budget",
+        type=parse_bytes,
+        help="with --stage auto: pinned host memory per device, to consider offload",
+    )
     p.add_argument("--steps", type=positive_int, default=700)
     p.add_argument(
         "--batch-size", type=positive_int, default=32, help="global; a multiple of devices x K"
@@ -256,16 +282,61 @@ def run_precision(args, ds=None) -> jzero.Precision:
     return ds.precision if ds is not None else PRECISIONS[args.precision]
 
 
-def make_optimizer(args, mesh, ds=None):
-    """The run's :class:`jzero.ZeroOptimizer` and learning-rate schedule: AdamW with warmup
-    and cosine decay from the flags, or the DeepSpeed config's optimizer (else AdamW on its
-    schedule) with its clipping, stage, precision and offload."""
+def check_auto(parser, args, argv) -> None:
+    """``--stage auto`` chooses the offload and the micro-batches: flags that set them are
+    refused (a DeepSpeed config sets the stage itself)."""
+    if args.deepspeed_config is not None:
+        parser.error("--stage auto and --deepspeed-config: the config sets the stage; drop one")
+    chosen = {"--offload": args.offload, "--offload-params": args.offload_params}
+    chosen["--grad-accum"] = any(a.startswith("--grad-accum") for a in argv or sys.argv[1:])
+    for flag, given in chosen.items():
+        if given:
+            parser.error(f"--stage auto chooses {flag[2:]} itself; drop {flag}")
+
+
+def choose_config(args, parser, cfg, mesh, init_fn, log) -> jzero.ZeroConfig:
+    """``--stage auto``: :func:`jzero.autoconfigure` on this run's model, batch and
+    precision; its table is printed, and the flags become its choice."""
+    tx, _ = make_tx(args)
+    base = jzero.ZeroConfig(
+        stage=3,  # the run's own options only; the search sets the stage
+        precision=run_precision(args),
+        comm=jzero.Communication(grad_quant=args.grad_quant),
+        step=jzero.StepOptions(manual_gather=True),
+    )
+    batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, cfg.seq_len + 1), jnp.int32)}
+    stages = (1, 2, 3) if args.grad_quant is not None else (0, 1, 2, 3)
+    choice = jzero.autoconfigure(
+        gpt.make_loss_fn(cfg), init_fn=init_fn, batch=batch, mesh=mesh, tx=tx, config=base,
+        device_budget=args.device_budget, host_budget=args.host_budget, stages=stages,
+    )  # fmt: skip
+    for line in [*choice.table().splitlines(), choice.summary()]:
+        say(log, line)
+    if choice.config is None:
+        parser.error(f"--stage auto: {choice.summary()}")
+    config = choice.config
+    args.stage, args.grad_accum = config.stage, config.step.grad_accum
+    args.offload = config.offload.optimizer
+    return config
+
+
+def make_tx(args):
+    """AdamW with warmup and cosine decay from the flags, clipped; and its schedule."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps
     )
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+    return tx, schedule
+
+
+def make_optimizer(args, mesh, ds=None, config=None):
+    """The run's :class:`jzero.ZeroOptimizer` and learning-rate schedule: AdamW with warmup
+    and cosine decay from the flags, or the DeepSpeed config's optimizer (else AdamW on its
+    schedule) with its clipping, stage, precision and offload."""
+    tx, schedule = make_tx(args)
     if ds is None:
-        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-        return jzero.ZeroOptimizer(tx, mesh, config=run_config(args)), schedule
+        config = run_config(args) if config is None else config
+        return jzero.ZeroOptimizer(tx, mesh, config=config), schedule
     if ds.learning_rate is not None:
         lr = ds.learning_rate
         schedule = lr if callable(lr) else optax.constant_schedule(lr)
@@ -562,12 +633,16 @@ def main(argv: list[str] | None = None) -> int:
     ds = None
     if args.deepspeed_config is not None:
         ds = apply_deepspeed_config(parser, args, argv, len(devices))
+    if args.stage == "auto":
+        check_auto(parser, args, argv)
+    elif args.device_budget is not None or args.host_budget is not None:
+        parser.error("--device-budget and --host-budget are for --stage auto")
     if args.stage == 0 and args.offload:
         parser.error(
             "--offload needs --stage 1, 2 or 3: at stage 0 every device holds the whole "
             "optimizer state"
         )
-    if args.stage != 3 and args.offload_params:
+    if args.stage not in (3, "auto") and args.offload_params:
         parser.error(
             f"--offload-params needs --stage 3: at stage {args.stage} every device holds the "
             "whole parameters, and only stage 3's shards can rest in host memory"
@@ -653,9 +728,10 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> 
 
     # ---------------------------------------------------------------- jzero
     mesh = jzero.data_mesh(devices)
-    opt, schedule = make_optimizer(args, mesh, ds)
     # init_fn runs under jit with sharded outputs: in stage 3 no device holds the whole model.
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
+    auto = choose_config(args, parser, cfg, mesh, init_fn, log) if args.stage == "auto" else None
+    opt, schedule = make_optimizer(args, mesh, ds, config=auto)
     shapes = jax.eval_shape(init_fn)
     curve, batches_drawn, resumed = Curve(), 0, None
     run_flags = {name: getattr(args, name) for name in RUN_FLAGS}

@@ -7,6 +7,7 @@ collectives, report), ``jzero.checkpoint`` (Orbax checkpoints, safetensors expor
 ``jzero.cli``.
 """
 
+from jzero import autoconfig as autoconfig
 from jzero import checkpoint as checkpoint
 from jzero import distributed as distributed
 from jzero import linen as linen
@@ -17,6 +18,7 @@ from .accounting.estimate import estimate as estimate
 from .accounting.estimate import max_params as max_params
 from .accounting.report import Report as Report
 from .accounting.report import report as report
+from .autoconfig import autoconfigure as autoconfigure
 from .checkpoint import Checkpointer as Checkpointer
 from .config.deepspeed import from_deepspeed_config as from_deepspeed_config
 from .core.comm.gatherer import Sharded as Sharded

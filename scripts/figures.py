@@ -254,6 +254,41 @@ def accuracy_md(acc: dict[str, Any] | None) -> str:
     return head + "\n\n" + _md_table(rows)
 
 
+def autoconfig_md(ac: dict[str, Any] | None) -> str:
+    """``scripts/autoconfig_bench.py``'s runs: per model and budget, the choice, the three
+    fastest-predicted candidates measured side by side, and the checks; or a note."""
+    if ac is None:
+        return (
+            "No `benchmarks/autoconfig_cpu8.json` is committed yet: "
+            "`python scripts/autoconfig_bench.py --json benchmarks/autoconfig_cpu8.json` "
+            "writes it."
+        )
+    m = ac["device_model"]
+    head = (
+        f"{ac['devices']} {ac['platform']} devices, jax {ac['jax']}; device model "
+        f"F = {m['flops_per_s'] / 1e9:.1f} GFLOP/s, B = {m['collective_bytes_per_s'] / 1e9:.2f} "
+        f"GB/s; median of {ac['steps']} steps per candidate; {ac['seconds'] / 60:.0f} min "
+        "in all."
+    )
+    rows = [("model", "budget MB", "chosen", "peak MB", "search s", "top three: predicted / "
+             "measured ms", "fits", "fastest", "order")]  # fmt: skip
+    for r in ac["runs"]:
+        s, c = r["search"], r["checks"]
+        chosen = next(x for x in s["rows"] if x["name"] == s["chosen"] and x["dropped"] is None)
+        top = "; ".join(
+            f"{x['name']}: {x['predicted_s'] * 1e3:.1f} / {x['measured_s'] * 1e3:.1f}"
+            for x in r["top3"]
+        )
+        mark = lambda ok: "yes" if ok else "**no**"
+        rows.append((
+            f"{r['size']} (d {r['model']['d_model']}, {r['model']['n_layers']} layers)",
+            f"{s['device_budget'] / 1e6:,.1f}", f"`{s['chosen']}`",
+            f"{chosen['device_bytes'] / 1e6:,.2f}", f"{s['search_seconds']:.0f}", top,
+            mark(c["fits"]), mark(c["fastest"]), mark(c["order"]),
+        ))  # fmt: skip
+    return head + "\n\n" + _md_table(rows)
+
+
 def frozen_peer_md(fp: dict[str, Any] | None) -> str:
     """Who speaks first when a peer freezes (``scripts/frozen_peer_trials.py``)."""
     if fp is None:
@@ -457,6 +492,7 @@ def generate(out: Path) -> list[Path]:
         "max_model.md": max_model_md(mm),
         "accuracy.md": accuracy_md(_read(BENCH / "accuracy_cpu8.json")),
         "frozen_peer.md": frozen_peer_md(_read(BENCH / "frozen_peer_trials.json")),
+        "autoconfig.md": autoconfig_md(_read(BENCH / "autoconfig_cpu8.json")),
         "main_job.md": main_job_md(_read(MAIN_JOB.with_suffix(".json")), main_job_png),
     }
     written = []

@@ -1,7 +1,5 @@
 """HLO shared by the tests: hand-written module text, and a gather counter."""
 
-import functools
-import math
 import re
 
 from jzero.accounting import collectives
@@ -61,40 +59,3 @@ def loop_bodies(text: str) -> list[str]:
         called = set(re.findall(r"func.call @([\w.]+)\(", body))
         out.append(body + "".join(funcs[c] for c in sorted(called) if c in funcs))
     return out
-
-
-def dot_flops(hlo: str) -> int:
-    """2*M*N*K of every ``dot`` in an optimized HLO module, times the runs of its
-    computation (``while`` bodies by ``known_trip_count``): ``cost_analysis`` counts a
-    loop body once, so it cannot compare a scanned model's steps."""
-    header = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-    instr = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-    array = re.compile(r"\w+\[([\d,]*)\]\S*\s+(\w+)\((.*)$")  # shape, opcode, rest
-    calls = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-    trip = re.compile(r'"known_trip_count":\s*\{\s*"n":\s*"(\d+)"')
-    shapes, dots, callers, comp, entry = {}, [], {}, None, None
-    for line in hlo.splitlines():
-        if (h := header.match(line)) and not line.startswith("HloModule"):
-            comp, entry = h[2], h[2] if h[1] else entry
-        elif (m := instr.match(line)) and comp is not None:
-            if a := array.match(m[2]):
-                shapes[m[1]] = [int(d) for d in a[1].split(",") if d]
-                if a[2] == "dot":
-                    dots.append((comp, m[1], a[3]))
-            runs = int(t[1]) if " while(" in m[2] and (t := trip.search(m[2])) else 1
-            for callee in calls.findall(m[2]):
-                callers.setdefault(callee, []).append((comp, runs))
-
-    @functools.cache
-    def runs(c):
-        return 1 if c == entry else sum(runs(p) * n for p, n in callers.get(c, []))
-
-    total = 0
-    for comp, name, rest in dots:
-        lhs = re.match(r"%?([\w.\-]+)", rest)[1]
-        contracting = [
-            int(d) for d in re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)[1].split(",") if d
-        ]
-        k = math.prod(shapes[lhs][d] for d in contracting)
-        total += 2 * math.prod(shapes[name]) * k * runs(comp)
-    return total

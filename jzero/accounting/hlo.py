@@ -13,6 +13,7 @@ import functools
 import itertools
 import math
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .._table import table
@@ -178,23 +179,10 @@ def _groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     return (tuple(range(num_devices)),)  # no replica_groups attribute: all devices
 
 
-def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collective]:
-    """Lists the collectives of an optimized HLO module, in text order.
-
-    An async pair (`all-gather-start`/`-done`, or any `<kind>-start`/`-done`) counts once.
-    A collective inside a `while` body runs `known_trip_count` times (nested loops
-    multiply; a computation called from several places sums them; every branch of a
-    `conditional` counts as run once); with no known trip count, `trip_count` is None.
-
-    Args:
-      hlo_text: `compiled.as_text()` of a jitted function.
-      num_devices: devices meant by an empty `replica_groups={}`; defaults to the
-        header's `num_partitions` times `replica_count`.
-    """
-    if num_devices is None:
-        header = hlo_text[: hlo_text.find("\n")]
-        counts = re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header)
-        num_devices = math.prod(int(c) for c in counts)
+def _program(hlo_text: str) -> tuple[dict, Callable[[str], int | None]]:
+    """The module's instructions, ``name -> (computation, shape, opcode, tail)``, and how
+    many times each computation runs per program call (None: in a loop of unknown trip
+    count; ``while`` bodies run ``known_trip_count`` times, nested loops multiply)."""
     instrs = {}  # name -> (computation, shape, opcode, tail)
     callers = {}  # computation -> [(calling computation, runs per call or None)]
     comp, entry = None, None
@@ -226,6 +214,58 @@ def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collec
             return None
         return sum(outer * n for outer, n in calls)
 
+    return instrs, runs
+
+
+_DIMS = re.compile(r"\b(lhs|rhs)_contracting_dims=\{([\d,]*)\}")
+
+
+def dot_flops(hlo_text: str) -> int:
+    """2·M·N·K of every ``dot`` of an optimized HLO module (per device), times the runs of
+    its computation: unlike ``compiled.cost_analysis()``, which counts a loop body once,
+    it counts a scanned model's layers and micro-batches. Convolutions are not counted.
+
+    Raises:
+        ValueError: a dot sits in a loop whose trip count XLA does not know.
+    """
+    instrs, runs = _program(hlo_text)
+    shapes = {name: _dims(shape) for name, (_, shape, _, _) in instrs.items()}
+    total = 0
+    for name, (comp, shape, opcode, tail) in instrs.items():
+        if opcode != "dot":
+            continue
+        if (n := runs(comp)) is None:
+            raise ValueError(f"dot {name} sits in a loop with no known_trip_count.")
+        lhs = (re.search(r"%([\w.\-]+)", tail) or re.match(r"\s*([\w.\-]+)", tail))[1]
+        contracting = dict(_DIMS.findall(tail)).get("lhs", "")
+        k = math.prod(shapes[lhs][int(d)] for d in contracting.split(",") if d)
+        total += 2 * math.prod(_dims(shape)) * k * n
+    return total
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    m = _ARRAY.search(shape)
+    return tuple(int(d) for d in m[2].replace("<=", "").split(",") if d) if m else ()
+
+
+def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collective]:
+    """Lists the collectives of an optimized HLO module, in text order.
+
+    An async pair (`all-gather-start`/`-done`, or any `<kind>-start`/`-done`) counts once.
+    A collective inside a `while` body runs `known_trip_count` times (nested loops
+    multiply; a computation called from several places sums them; every branch of a
+    `conditional` counts as run once); with no known trip count, `trip_count` is None.
+
+    Args:
+      hlo_text: `compiled.as_text()` of a jitted function.
+      num_devices: devices meant by an empty `replica_groups={}`; defaults to the
+        header's `num_partitions` times `replica_count`.
+    """
+    if num_devices is None:
+        header = hlo_text[: hlo_text.find("\n")]
+        counts = re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header)
+        num_devices = math.prod(int(c) for c in counts)
+    instrs, runs = _program(hlo_text)
     found = []
     for name, (comp, shape, opcode, tail) in instrs.items():
         kind = opcode.removesuffix("-done")

@@ -1,5 +1,7 @@
-"""Command line: ``python -m jzero estimate ...`` (the memory of ZeRO stages 0-3) and
-``python -m jzero checkpoint inspect|export ...`` (:mod:`.checkpoint`)."""
+"""Command line: ``python -m jzero estimate ...`` (the memory of ZeRO stages 0-3),
+``python -m jzero autoconfigure ...`` (the configuration that fits and runs fastest,
+:mod:`.autoconfigure`) and ``python -m jzero checkpoint inspect|export ...``
+(:mod:`.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from ..accounting.estimate import (
     max_params,
     transformer_activation_bytes,
 )
+from .autoconfigure import add_parser as add_autoconfigure_parser
+from .autoconfigure import run as run_autoconfigure
 from .checkpoint import add_parser as add_checkpoint_parser
 from .checkpoint import run as run_checkpoint
 from .plot import plot_model_states, read_measured
@@ -101,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_converter(read_measured),
         help="overlay the model-state bytes that scripts/bench.py --json measured",
     )
+    add_autoconfigure_parser(commands, size)
     add_checkpoint_parser(commands)
     return parser
 
@@ -211,8 +216,9 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs ``python -m jzero estimate|checkpoint ...``; returns the exit status (2 on bad
-    input; 1 when ``checkpoint inspect --verify`` finds a corrupt leaf).
+    """Runs ``python -m jzero estimate|autoconfigure|checkpoint ...``; returns the exit
+    status (2 on bad input; 1 when ``checkpoint inspect --verify`` finds a corrupt leaf, or
+    when no configuration fits the budget).
 
     Bad input is reported on stderr as one line, ``python -m jzero COMMAND: error: ...``,
     naming the problem and the fix.
@@ -221,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         command = args.command
-        return run_checkpoint(args) if command == "checkpoint" else _estimate(args)
+        run = {"checkpoint": run_checkpoint, "autoconfigure": run_autoconfigure}
+        return run.get(command, _estimate)(args)
     except _BadInput as e:
         message = str(e)
     except (ValueError, ImportError, OSError) as e:

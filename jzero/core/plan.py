@@ -32,6 +32,7 @@ from .._table import table
 from .axis_types import compute_mesh
 from .leaf_layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
+from .options.layout import Layout
 from .options.offload import HOST
 from .options.step import StepOptions
 from .options.zero_config import ZeroConfig
@@ -78,9 +79,10 @@ class Plan:
         mesh: the device mesh as the user gave it, of any axis types (its ``data`` axis is
             the one partitioned along); the stored leaves are typed with it, and jzero's
             programs compute on :attr:`compute_mesh`.
-        config: the :class:`ZeroConfig` the leaves were laid out for (its stage, layout,
-            precision, communication and offload; its step options left at their defaults:
-            each step has its own).
+        config: the :class:`ZeroConfig` the leaves were laid out for: its stage,
+            precision, communication and offload. Its layout and step options are left at
+            their defaults: the leaves record the layout (each :class:`Stored`'s spec),
+            however it was spelled, and each step brings its own options.
         params_def, params: treedef and per-leaf :class:`Stored` of the parameters.
         opt_def, opt: the same for the Optax state.
         master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
@@ -250,7 +252,9 @@ def make_plan(
             Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind)
             for lay, x in zip(p_lays, p_leaves)
         )
-    laid_out = config.with_step(StepOptions())  # each step brings its own options
+    # The layout is recorded in the leaves (each Stored's spec), however it was spelled;
+    # each step brings its own options.
+    laid_out = dataclasses.replace(config, layout=Layout(), step=StepOptions())
     plan = Plan(mesh, laid_out, p_def, params_stored, o_def, opt_stored, master)
     return params_offloaded(plan) if offload.params else plan
 

@@ -13,7 +13,7 @@ from _hlo_text import ALL_REDUCE_MODULE
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.accounting import Collective, collectives, comm_bytes, summary_table
+from jzero.accounting import Collective, collectives, comm_bytes, dot_flops, summary_table
 
 N = 8
 
@@ -282,3 +282,17 @@ def test_summary_table():
     assert len(lines) == 1 + len(cs) + 1
     assert lines[-1].startswith("total") and lines[-1].endswith(f"{comm_bytes(cs)['total']:,.0f}")
     assert all(isinstance(c, Collective) for c in cs)
+
+
+def test_dot_flops_counts_each_run_of_a_loop_body():
+    """2·M·N·K per dot, times its computation's runs: a scan over 3 layers of a [4,8] x
+    [8,16] matmul, as jax compiles it, is 3 · 2·4·16·8 FLOPs (cost_analysis counts one)."""
+    w = jnp.ones((3, 8, 16))
+
+    def f(x, w):
+        return jax.lax.scan(lambda c, wi: (c, c @ wi), x, w)[1]
+
+    compiled = jax.jit(f).lower(jnp.ones((4, 8)), w).compile()
+    assert dot_flops(compiled.as_text()) == 3 * 2 * 4 * 16 * 8
+    once = jax.jit(lambda x, w: x @ w[0]).lower(jnp.ones((4, 8)), w).compile()
+    assert dot_flops(once.as_text()) == 2 * 4 * 16 * 8

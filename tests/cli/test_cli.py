@@ -6,6 +6,7 @@ import re
 import sys
 
 import pytest
+from _paths import EXAMPLES
 
 import jzero.accounting.estimate as E
 from jzero.cli.main import main
@@ -260,3 +261,40 @@ def test_cli_measured_needs_plot(tmp_path, capsys):
         "python -m jzero estimate: error: --measured overlays points on a plot: "
         "add --plot FILE.png.\n"
     )
+
+
+GPT = str(EXAMPLES / "gpt.py") + ":problem"
+TINY = ["--set", "d_model=16", "--set", "n_layers=1", "--set", "n_heads=2", "--set", "seq_len=8"]
+
+
+def test_autoconfigure_prints_every_candidate_and_the_choice(capsys):
+    argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "2,3"]
+    assert main([*argv, "--device-budget", "1GB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    chosen = [r for r in out["rows"] if r["name"] == out["chosen"] and r["dropped"] is None]
+    assert chosen and chosen[0]["device_bytes"] <= 1e9 and chosen[0]["stage"] in (2, 3)
+    assert {r["stage"] for r in out["rows"]} == {2, 3}
+    assert out["compiled"] >= 2 and out["device_model"]["flops_per_s"] > 0
+    assert out["summary"].startswith(f"chosen: {out['chosen']}")
+
+
+def test_autoconfigure_answers_the_smallest_budget_when_nothing_fits(capsys):
+    argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "3"]
+    assert main([*argv, "--device-budget", "1KB"]) == 1
+    out = capsys.readouterr().out
+    assert "no configuration fits a device budget of 0.00 MB: the smallest that would is" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["examples/gpt.py"], "write FILE.py:FUNCTION or MODULE:FUNCTION"),
+        (["missing.py:problem"], "missing.py: no such file"),
+        ([GPT.replace(":problem", ":nothing")], "has no function 'nothing'"),
+        ([GPT, "--set", "d_model"], "--set 'd_model': write KEY=VALUE"),
+    ],
+)
+def test_autoconfigure_bad_input_returns_2_with_one_line(argv, error, capsys):
+    assert main(["autoconfigure", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and error in err

@@ -122,10 +122,12 @@ def test_the_optimizer_takes_a_config_or_its_keywords_never_both():
         _opt({"stage": 3})
 
 
-def test_the_plan_refers_to_the_config_without_its_step_options():
-    config = jzero.ZeroConfig(stage=3, step=jzero.StepOptions(grad_accum=2))
+def test_the_plan_refers_to_the_config_less_what_its_leaves_record():
+    layout = jzero.Layout(min_shard_size=100_000)
+    config = jzero.ZeroConfig(stage=3, layout=layout, step=jzero.StepOptions(grad_accum=2))
     plan = _opt(config).plan(stacked_params())
-    assert plan.config == dataclasses.replace(config, step=jzero.StepOptions())
+    assert plan.config == jzero.ZeroConfig(stage=3)  # layout: in the leaves; step: each step's
+    assert not any(s.layout.sharded for s in plan.params)  # min_shard_size, in the leaves
     assert plan.stage == 3 and plan.config.partitions_params
     for copied in ("partitions_params", "offloads", "host_step", "offload_chunk", "offload"):
         assert not hasattr(plan, copied)

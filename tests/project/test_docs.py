@@ -43,6 +43,7 @@ PUBLIC = {  # the documented packages and the file that lists each one's exports
     "jzero.distributed": "jzero/distributed/__init__.py",
     "jzero.config": "jzero/config/__init__.py",
     "jzero.accounting": "jzero/accounting/__init__.py",
+    "jzero.autoconfig": "jzero/autoconfig/__init__.py",
 }
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,})(?P<info>[^`]*)$")
 
@@ -198,7 +199,7 @@ def test_every_export_is_in_the_api_reference():
 def test_every_subpackage_export_has_a_page():
     pages = {p.stem for p in (DOCS / "api").glob("*.md")}
     subpackages = [n for n in exports("jzero") if isinstance(getattr(jzero, n), type(jzero))]
-    assert sorted(subpackages) == ["checkpoint", "distributed", "linen", "nnx"]
+    assert sorted(subpackages) == ["autoconfig", "checkpoint", "distributed", "linen", "nnx"]
     assert set(subpackages) <= pages and {"config", "accounting"} <= pages
 
 

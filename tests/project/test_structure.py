@@ -238,6 +238,7 @@ PUBLIC = {
     "jzero.accounting.memory_spaces",
     "jzero.config",
     "jzero.cli",
+    "jzero.autoconfig",
 }
 """The modules the API reference documents: what a user imports."""
 FLOORS = {
@@ -248,7 +249,8 @@ FLOORS = {
     "checkpoint": 3,
     "config": 3,
     "distributed": 3,
-    "cli": 4,
+    "autoconfig": 4,
+    "cli": 5,
 }
 """The package's areas, each above what it imports (``project``: scripts, examples and docs,
 above them all)."""

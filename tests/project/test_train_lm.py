@@ -240,6 +240,16 @@ def test_trend_says_what_happened(first, last, line):
             "--grad-quant int4 needs --stage 1, 2 or 3: it quantizes their gradient "
             "reduce-scatter, and stage 0 all-reduces",
         ),
+        (["--stage", "4"], "argument --stage: '4' is not 0, 1, 2, 3 or auto"),
+        (["--stage", "auto", "--offload"], "--stage auto chooses offload itself; drop --offload"),
+        (
+            ["--stage", "auto", "--grad-accum", "2"],
+            "--stage auto chooses grad-accum itself; drop --grad-accum",
+        ),
+        (
+            ["--stage", "2", "--device-budget", "1GB"],
+            "--device-budget and --host-budget are for --stage auto",
+        ),
     ],
 )
 def test_train_lm_refuses_bad_flags_up_front(tmp_path, capsys, args, error):
@@ -276,6 +286,20 @@ def test_train_lm_flags_build_the_optimizer(flags, offload, grad_quant):
     assert (opt.stage, opt.offload) == (args.stage, offload)
     precision = train_lm.PRECISIONS[args.precision]
     assert opt.precision == precision and opt.comm == jzero.Communication(grad_quant=grad_quant)
+
+
+def test_train_lm_stage_auto_trains_with_the_configuration_it_chose(tmp_path, capsys):
+    """``--stage auto``: the search's table is printed, and the run is the chosen
+    configuration (its stage and accumulation), within the budget."""
+    argv = [*TINY, "--stage", "auto", "--device-budget", "400KB", "--steps", "2"]
+    with standard():
+        assert train_lm.main([*argv, "--eval-every", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    chosen = re.search(r"^chosen: zero(\d) accum=(\d+) \(compiled peak (\S+) MB", out, re.M)
+    stage, accum, peak = int(chosen[1]), int(chosen[2]), float(chosen[3])
+    assert peak <= 0.4 and f"zero{stage} accum={accum}" in out
+    assert f"\nstage {stage} on 8 devices" in out
+    assert "<- chosen" in out
 
 
 @pytest.mark.parametrize(

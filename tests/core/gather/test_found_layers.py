@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _hlo_text import dot_flops
 from _models import reference, regression_batches
 
 import jzero
+from jzero.accounting import dot_flops
 from jzero.core.gather.layers import layer_gaps, layer_of
 
 

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _hlo_text import all_gathers, dot_flops, loop_bodies
+from _hlo_text import all_gathers, loop_bodies
 from _models import reference, regression_batches
 
 import jzero
+from jzero.accounting import dot_flops
 
 N, L, D, H, B, STEPS = 8, 6, 128, 512, 64, 3
 LAYER_BYTES = 4 * 2 * D * H  # one layer's gathered fp32 weights

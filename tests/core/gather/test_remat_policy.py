@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _hlo_text import dot_flops
 from _models import reference
 
 import jzero
-from jzero.accounting import collectives
+from jzero.accounting import collectives, dot_flops
 
 N, L, D, H, B = 8, 8, 256, 1024, 64  # devices, layers, width, hidden, global batch
 KEEP = jax.checkpoint_policies.everything_saveable

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _hlo_text import all_gathers, dot_flops
+from _hlo_text import all_gathers
 from _models import reference, regression_batches
 from flax import nnx
 
 import jzero
+from jzero.accounting import dot_flops
 
 N, L, D, H, B = 8, 8, 256, 1024, 64
 LAYER = 2 * D * H  # parameters per layer

@@ -164,7 +164,7 @@ def test_offload_errors():
     device = types.SimpleNamespace(platform="tpu", addressable_memories=lambda: [memory])
     bare = types.SimpleNamespace(devices=np.array([device]))
     with pytest.raises(ValueError, match=r"the tpu backend's devices offer only \['device'\]"):
-        jzero.Offload(optimizer="stream").check(mesh=bare, stage=1)
+        jzero.Offload(optimizer="stream").check_backend(bare)
 
 
 # Offloaded activation checkpoints (ZeRO-R): each layer's pre-activation goes to host memory.

@@ -1,0 +1,126 @@
+"""The device model a step's time is predicted with, calibrated by a short measured probe.
+
+A step is predicted to take
+
+    flops / F  +  collective bytes / B  +  host copy bytes / H  +  host update bytes / U
+
+seconds per device: ``F`` the throughput of a dense matmul, ``B`` the ring bytes per second
+of an all-gather over the mesh's ``data`` axis, ``H`` the bytes per second of copies
+between device and pinned host memory, ``U`` the bytes per second the host reads and writes
+in an elementwise update (the host optimizer step). The terms are added, not overlapped:
+a conservative model that orders configurations by what they spend, which is what the
+search needs. :func:`calibrate` measures the four rates once per machine (about a second;
+the best of a few repeats of each probe after a warm-up).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+_MATMUL = 512  # the probe's square matmul, per device
+_GATHER_BYTES = 2**22  # the all-gather probe's bytes per device
+_COPY_BYTES = 2**24  # the host probes' bytes
+
+
+class DeviceModel(NamedTuple):
+    """Rates of one device of a mesh (see the module's docstring for the model)."""
+
+    flops_per_s: float  # F: dense matmul FLOPs per second
+    collective_bytes_per_s: float  # B: all-gather ring bytes per second, per device
+    host_copy_bytes_per_s: float  # H: device <-> pinned host bytes per second
+    host_update_bytes_per_s: float  # U: bytes per second an elementwise host update touches
+
+    def step_seconds(
+        self,
+        flops: float,
+        collective_bytes: float,
+        host_copy_bytes: float = 0.0,
+        host_update_bytes: float = 0.0,
+    ) -> float:
+        """The predicted seconds of one step that spends these per device."""
+        return (
+            flops / self.flops_per_s
+            + collective_bytes / self.collective_bytes_per_s
+            + host_copy_bytes / self.host_copy_bytes_per_s
+            + host_update_bytes / self.host_update_bytes_per_s
+        )
+
+
+def calibrate(mesh: Mesh, *, repeats: int = 3) -> DeviceModel:
+    """Measures the device model's rates on ``mesh`` (its ``data`` axis for collectives)."""
+    return DeviceModel(
+        flops_per_s=_matmul_rate(mesh, repeats),
+        collective_bytes_per_s=_gather_rate(mesh, repeats),
+        host_copy_bytes_per_s=_copy_rate(mesh, repeats),
+        host_update_bytes_per_s=_update_rate(repeats),
+    )
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` runs of ``fn`` (after one warm-up), in seconds."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return max(min(times), 1e-9)
+
+
+def _matmul_rate(mesh: Mesh, repeats: int) -> float:
+    n = mesh.devices.size
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    a = jax.device_put(jnp.ones((n * _MATMUL, _MATMUL), jnp.float32), sharding)
+    b = jnp.ones((_MATMUL, _MATMUL), jnp.float32)
+    matmul = jax.jit(lambda a, b: a @ b)
+    return 2 * _MATMUL**3 / _best(lambda: matmul(a, b), repeats)
+
+
+def _gather_rate(mesh: Mesh, repeats: int) -> float:
+    n = mesh.shape["data"]
+    if n == 1:
+        return float("inf")  # no collective to wait for
+    rows = _GATHER_BYTES // 4 // 256
+    shards = jax.device_put(jnp.ones((n * rows, 256), jnp.float32), NamedSharding(mesh, P("data")))
+    gather = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.all_gather(x, "data", tiled=True),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    ring = _GATHER_BYTES * (n - 1)  # each device receives the other n-1 shards
+    return ring / _best(lambda: gather(shards), repeats)
+
+
+def _copy_rate(mesh: Mesh, repeats: int) -> float:
+    device = mesh.devices.flat[0]
+    if "pinned_host" not in [m.kind for m in device.addressable_memories()]:
+        return float("inf")  # nothing can be offloaded here; the term never applies
+    x = jax.device_put(jnp.ones(_COPY_BYTES // 4, jnp.float32), device)
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    back = jax.sharding.SingleDeviceSharding(device)
+    return 2 * _COPY_BYTES / _best(lambda: jax.device_put(jax.device_put(x, host), back), repeats)
+
+
+def _update_rate(repeats: int) -> float:
+    a = np.ones(_COPY_BYTES // 4, np.float32)
+    b = np.ones_like(a)
+    out = np.empty_like(a)
+
+    def update():
+        np.multiply(a, 0.9, out=out)
+        np.add(out, b, out=out)
+        return out
+
+    return 4 * _COPY_BYTES / _best(update, repeats)  # two reads and two writes

@@ -1,0 +1,375 @@
+"""``jzero.autoconfigure``: the configuration that fits a memory budget and runs fastest,
+chosen by the compiler without a trial run.
+
+The search, for a loss, its parameters, a global batch and a mesh:
+
+1. **Prune with the estimator.** Per stage and offload, the model states alone
+   (:func:`jzero.estimate`, with the Optax state's own bytes per parameter) must fit the
+   device budget; a shape that cannot is dropped without compiling.
+2. **Compile the plausible few**, ahead of time on abstract values (nothing runs): per
+   remaining shape (stage, offload, recompute), the smallest gradient accumulation whose
+   compiled step fits (the biggest micro-batch: fewest loop steps, fewest stage-2/3
+   reduce-scatters); then, for the three fastest, buckets and prefetch.
+3. **Read each compiled step**: its peak per memory space
+   (:func:`jzero.accounting.memory_spaces.of_compiled`), its collective bytes per device
+   (:func:`jzero.accounting.comm_bytes`) and its dot FLOPs (:func:`jzero.accounting.dot_flops`,
+   loops counted per run), plus the bytes an offloaded optimizer moves and updates on the
+   host (from its plan).
+4. **Predict** each step's time with a :class:`.device_model.DeviceModel`, calibrated once
+   per machine by a short probe, and **choose** the fastest that fits; among those within
+   ``tie`` (5 %) of it, the simplest (the lowest stage, no offload, no recompute, then
+   the fewest micro-batches).
+
+When nothing fits, the answer names the smallest budget that would, and with which
+configuration (the lightest compiled candidate: stage 3, recompute, offload if allowed,
+the most micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from .._table import table
+from ..accounting import memory_spaces
+from ..accounting.estimate import estimate
+from ..accounting.hlo import comm_bytes, dot_flops
+from ..core.optimizer import ZeroOptimizer
+from ..core.options.zero_config import ZeroConfig
+from ..core.plan import Plan, Stored
+from .candidates import Shape, accumulations, collective_variants, describe, micro_batch, shapes
+from .device_model import DeviceModel, calibrate
+
+TIE = 0.05
+"""Candidates predicted within this fraction of the fastest count as equally fast."""
+
+
+class Row(NamedTuple):
+    """One candidate of the search, as its table prints it."""
+
+    name: str  # e.g. "zero3 host recompute bucket accum=2"
+    config: ZeroConfig
+    micro_batch: int  # rows per device per micro-batch
+    estimate_bytes: float  # model states per device, by the estimator
+    device_bytes: int | None  # compiled peak in device memory (None: not compiled)
+    host_bytes: int | None  # compiled peak in pinned host memory
+    collective_bytes: float | None  # ring bytes per device per step
+    flops: float | None  # dot FLOPs per device per step
+    seconds: float | None  # predicted step time
+    dropped: str | None  # why it was not chosen (None: it fits)
+
+    @property
+    def fits(self) -> bool:
+        return self.dropped is None and self.seconds is not None
+
+
+class Choice(NamedTuple):
+    """What :func:`autoconfigure` found: the configuration (None when nothing fits), every
+    candidate, and how long the search took."""
+
+    config: ZeroConfig | None
+    rows: tuple[Row, ...]
+    device_budget: float
+    host_budget: float | None
+    device_model: DeviceModel
+    search_seconds: float
+    compiled: int  # candidates compiled
+    smallest: Row | None  # when nothing fits: the lightest compiled candidate
+
+    @property
+    def chosen(self) -> Row | None:
+        return next((r for r in self.rows if r.config == self.config and r.fits), None)
+
+    def table(self) -> str:
+        """Every candidate: memory, collective bytes, predicted time, why it was dropped."""
+        mb = lambda b: "-" if b is None else f"{b / 1e6:.2f}"
+        head = ("candidate", "micro", "states MB", "device MB", "host MB", "comm MB")
+        rows = [head + ("GFLOP", "predicted ms", "")]
+        for r in self.rows:
+            mark = "<- chosen" if r is self.chosen else (r.dropped or "")
+            flops = "-" if r.flops is None else f"{r.flops / 1e9:.3f}"
+            ms = "-" if r.seconds is None else f"{r.seconds * 1e3:.2f}"
+            rows.append((r.name, str(r.micro_batch), mb(r.estimate_bytes), mb(r.device_bytes),
+                         mb(r.host_bytes), mb(r.collective_bytes), flops, ms, mark))  # fmt: skip
+        return table(rows)
+
+    def summary(self) -> str:
+        """One paragraph: the choice (or the smallest budget that would fit), the budgets,
+        how many candidates were compiled and how long the search took."""
+        took = f"{len(self.rows)} candidates, {self.compiled} compiled, {self.search_seconds:.1f} s"
+        budget = f"device budget {self.device_budget / 1e6:,.1f} MB"
+        if self.host_budget is not None:
+            budget += f", host budget {self.host_budget / 1e6:,.1f} MB"
+        if self.chosen is not None:
+            row = self.chosen
+            peak, ms = row.device_bytes / 1e6, row.seconds * 1e3
+            return f"chosen: {row.name} (compiled peak {peak:,.2f} MB, predicted {ms:.2f} ms per step); {budget}; {took}."  # noqa: E501
+        return f"{nothing_fits(self)}; {took}."
+
+
+def nothing_fits(choice: Choice) -> str:
+    """The answer when no candidate fits: the smallest budget that would, and with what."""
+    budget = f"no configuration fits a device budget of {choice.device_budget / 1e6:,.2f} MB"
+    if choice.smallest is None:
+        return budget + " (none could be compiled)"
+    row = choice.smallest
+    host = "" if not row.host_bytes else f" and {row.host_bytes / 1e6:,.2f} MB of host memory"
+    return (f"{budget}: the smallest that would is {row.device_bytes / 1e6:,.2f} MB{host}, "
+            f"with {row.name}")  # fmt: skip
+
+
+def select(rows: Sequence[Row], *, tie: float = TIE) -> Row | None:
+    """The fastest row that fits; among those predicted within ``tie`` of it, the simplest
+    (lowest stage, then no offload, no recompute, no buckets or prefetch, fewest
+    micro-batches). None when none fits."""
+    fits = [r for r in rows if r.fits]
+    if not fits:
+        return None
+    fastest = min(r.seconds for r in fits)
+    close = [r for r in fits if r.seconds <= fastest * (1 + tie)]
+    return min(close, key=lambda r: (_simplicity(r.config), r.seconds))
+
+
+def _simplicity(config: ZeroConfig) -> tuple:
+    return (
+        config.stage,
+        config.offload.optimizer is not None,
+        config.step.remat_policy is not None,
+        config.comm.bucket + config.comm.prefetch,
+        config.step.grad_accum,
+    )
+
+
+def default_device_budget(mesh: Mesh) -> float:
+    """A device's memory: its allocator's limit, or on a backend that reports none (CPU)
+    the host's memory shared by its local devices."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return float(stats["bytes_limit"])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / len([d for d in jax.local_devices() if d.platform == device.platform])
+
+
+class _Problem(NamedTuple):
+    """What every candidate is compiled for."""
+
+    loss_fn: Callable[..., Any]
+    shapes: Any  # the parameters' ShapeDtypeStructs
+    batch: Any  # the global batch's ShapeDtypeStructs
+    mesh: Mesh
+    tx: optax.GradientTransformation
+    rows: int  # the global batch's rows
+
+
+def autoconfigure(
+    loss_fn: Callable[..., Any],
+    params: Any = None,
+    *,
+    batch: Any,
+    mesh: Mesh,
+    tx: optax.GradientTransformation,
+    init_fn: Callable[[], Any] | None = None,
+    config: ZeroConfig | None = None,
+    device_budget: float | None = None,
+    host_budget: float | None = None,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    device_model: DeviceModel | None = None,
+    tie: float = TIE,
+) -> Choice:
+    """The configuration that fits ``device_budget`` and has the lowest predicted step time.
+
+    Args:
+        loss_fn: the loss, as ``ZeroOptimizer.train_step`` takes it.
+        params: the parameters (arrays or ``jax.ShapeDtypeStruct`` s); or ``init_fn``.
+        batch: the global batch (arrays or ``ShapeDtypeStruct`` s) one step trains on:
+            every candidate keeps it, making up smaller micro-batches by accumulation.
+        mesh, tx: as for :class:`jzero.ZeroOptimizer`.
+        config: the run's own options, kept in every candidate (layout, precision, hpZ,
+            quantized collectives, the step's options such as ``has_aux``); its stage,
+            offload, buckets, prefetch, recompute and accumulation are what is searched.
+            Default: ``ZeroConfig(stage=0)``.
+        device_budget: bytes of device memory a step may use (default: the device's
+            memory, :func:`default_device_budget`).
+        host_budget: bytes of pinned host memory an offloaded optimizer may use; None
+            (default): offload is not considered.
+        stages: the stages to consider.
+        device_model: the rates to predict with (default: :func:`calibrate` on ``mesh``).
+        tie: predicted times within this fraction count as equal (the simplest wins).
+
+    Nothing is run but the device model's probe; every candidate is compiled ahead of time
+    on abstract values. Raises ``ValueError`` for a batch whose rows do not split over the
+    mesh's data-parallel devices.
+    """
+    start = time.perf_counter()
+    base = ZeroConfig(stage=0) if config is None else config
+    problem = _problem(loss_fn, params, init_fn, batch, mesh, tx)
+    budget = default_device_budget(mesh) if device_budget is None else float(device_budget)
+    model = calibrate(mesh) if device_model is None else device_model
+    search = _Search(problem, base, budget, host_budget, model)
+    offload = host_budget is not None and search.can_offload()
+    for shape in shapes(base, stages=stages, offload=offload):
+        search.shape(shape)
+    search.variants()
+    chosen = select(search.rows, tie=tie)
+    smallest = None if chosen is not None else search.smallest()
+    return Choice(
+        config=None if chosen is None else chosen.config,
+        rows=tuple(search.rows),
+        device_budget=budget,
+        host_budget=host_budget,
+        device_model=model,
+        search_seconds=time.perf_counter() - start,
+        compiled=search.compiled,
+        smallest=smallest,
+    )
+
+
+def _problem(loss_fn, params, init_fn, batch, mesh, tx) -> _Problem:
+    if (params is None) == (init_fn is None):
+        raise ValueError("autoconfigure needs params= or init_fn= (exactly one).")
+    shapes = jax.eval_shape(init_fn) if params is None else jax.eval_shape(lambda: params)
+    batch = jax.eval_shape(lambda: batch)
+    rows = {x.shape[0] for x in jax.tree.leaves(batch) if x.shape}
+    if len(rows) != 1:
+        raise ValueError(f"the batch's leaves must share one leading (rows) dimension, got {rows}.")
+    return _Problem(loss_fn, shapes, batch, mesh, tx, rows.pop())
+
+
+class _Search:
+    """The rows found so far, and how each candidate is compiled and read."""
+
+    def __init__(self, problem: _Problem, base, budget, host_budget, model: DeviceModel):
+        self.problem, self.base, self.model = problem, base, model
+        self.budget, self.host_budget = budget, host_budget
+        self.rows: list[Row] = []
+        self.compiled = 0
+        self.dp = math.prod(
+            problem.mesh.shape[a] for a in ("replica", "data") if a in problem.mesh.shape
+        )
+        self.accums = accumulations(problem.rows, self.dp)
+
+    def can_offload(self) -> bool:
+        device = self.problem.mesh.devices.flat[0]
+        return "pinned_host" in [m.kind for m in device.addressable_memories()]
+
+    def shape(self, shape: Shape) -> None:
+        """Rows for ``shape``: dropped by the estimate, or its accumulations compiled from
+        the smallest until one fits (the larger ones are not compiled: slower)."""
+        config = self._config(shape, 1, False, False)
+        states = self._estimate(config)
+        if states > self.budget:
+            why = f"model states {states / 1e6:,.2f} MB > budget (estimate)"
+            self.rows += [self._row(self._config(shape, k, False, False), states, why=why)
+                          for k in self.accums]  # fmt: skip
+            return
+        for i, k in enumerate(self.accums):
+            row = self._measure(self._config(shape, k, False, False), states)
+            self.rows.append(row)
+            if row.fits:
+                skipped = "not compiled: a smaller accumulation fits"
+                self.rows += [self._row(self._config(shape, j, False, False), states, why=skipped)
+                              for j in self.accums[i + 1 :]]  # fmt: skip
+                return
+
+    def variants(self, top: int = 3) -> None:
+        """Buckets and prefetch for the ``top`` fastest fitting rows."""
+        best = sorted((r for r in self.rows if r.fits), key=lambda r: r.seconds)[:top]
+        for row in best:
+            c = row.config
+            shape = Shape(c.stage, c.offload.optimizer == "host", c.step.remat_policy is not None)
+            for bucket, prefetch in collective_variants(self.base, c.stage):
+                config = self._config(shape, c.step.grad_accum, bucket, prefetch)
+                self.rows.append(self._measure(config, row.estimate_bytes))
+
+    def smallest(self) -> Row | None:
+        """The lightest compiled candidate, after compiling every accumulation of the
+        stage-3 shapes not compiled yet (recompute, and offload when allowed: the lightest
+        there are; more micro-batches need not be lighter, their accumulators weigh)."""
+        offload = self.host_budget is not None and self.can_offload()
+        for shape in shapes(self.base, stages=(3,), offload=offload):
+            for k in self.accums:
+                config = self._config(shape, k, False, False)
+                if not any(r.config == config and r.device_bytes is not None for r in self.rows):
+                    self.rows = [r for r in self.rows if r.config != config]
+                    self.rows.append(self._measure(config, self._estimate(config)))
+        compiled = [r for r in self.rows if r.device_bytes is not None]
+        return min(compiled, key=lambda r: r.device_bytes, default=None)
+
+    def _config(self, shape: Shape, accum: int, bucket: bool, prefetch: bool) -> ZeroConfig:
+        return shape.config(self.base, accum=accum, bucket=bucket, prefetch=prefetch)
+
+    def _estimate(self, config: ZeroConfig) -> float:
+        """Model-state bytes per device by the estimator, with ``tx``'s own bytes/param."""
+        p = self.problem
+        psi = sum(math.prod(x.shape) for x in jax.tree.leaves(p.shapes))
+        opt = jax.eval_shape(p.tx.init, config.precision.cast(p.shapes, "float32"))
+        opt_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt))
+        mixed = config.precision.mixed
+        k = opt_bytes / max(psi, 1) + (4 if mixed else 0)
+        offload = config.offload.optimizer
+        n = p.mesh.shape["data"]
+        est = estimate(params=psi, devices=n, stage=config.stage, k=k,
+                       precision="mixed" if mixed else "fp32", offload=offload)  # fmt: skip
+        return est.model_state_bytes
+
+    def _row(self, config: ZeroConfig, states: float, *, why: str, **measured) -> Row:
+        mb = micro_batch(self.problem.rows, self.dp, config.step.grad_accum)
+        fields = dict(device_bytes=None, host_bytes=None, collective_bytes=None, flops=None,
+                      seconds=None) | measured  # fmt: skip
+        return Row(describe(config), config, mb, states, dropped=why, **fields)
+
+    def _measure(self, config: ZeroConfig, states: float) -> Row:
+        """Compiles ``config``'s step ahead of time and reads it."""
+        p = self.problem
+        opt = ZeroOptimizer(p.tx, p.mesh, config=config)
+        init = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), p.shapes)
+        program, arg = opt.init_program(init_fn=init)
+        state = jax.eval_shape(program, arg)
+        try:
+            compiled = opt.train_step(p.loss_fn).lower(state, p.batch).compile()
+        except Exception as e:  # noqa: BLE001 -- a candidate the compiler refuses is a row
+            return self._row(config, states, why=f"does not compile: {type(e).__name__}: {e}"[:120])
+        self.compiled += 1
+        text = compiled.as_text()
+        peak = memory_spaces.of_compiled(compiled, hlo_text=text)
+        comm, flops = comm_bytes(text)["total"], dot_flops(text)
+        copies, updates = _host_bytes(state.plan)
+        seconds = self.model.step_seconds(flops, comm, copies, updates)
+        device, host = peak["device"], peak["pinned_host"]
+        why = None
+        if device > self.budget:
+            why = f"compiled peak {device / 1e6:,.2f} MB > budget"
+        elif host and (self.host_budget is None or host > self.host_budget):
+            why = f"host peak {host / 1e6:,.2f} MB > host budget"
+        return Row(describe(config), config, micro_batch(p.rows, self.dp, config.step.grad_accum),
+                   states, device, host, comm, flops, seconds, why)  # fmt: skip
+
+
+def _host_bytes(plan: Plan) -> tuple[float, float]:
+    """Per device and step, with the optimizer step on the host: the bytes copied between
+    device and host (reduced gradient shards down, in the reduce dtype; new parameter
+    shards up) and the bytes the host update reads and writes (its state and master
+    weights, twice; the gradients once). (0, 0) otherwise."""
+    if plan.config.offload.optimizer != "host":
+        return 0.0, 0.0
+    n = plan.data_size
+    reduce = np.dtype(plan.config.precision.reduce_dtype).itemsize
+    shard = lambda s: math.prod(s.shape) / (n if s.partitioned else 1)
+    grads = sum(shard(s) * reduce for s in plan.params)
+    params = sum(shard(s) * s.dtype.itemsize for s in plan.params)
+    state = sum(shard(s) * s.dtype.itemsize for s in _held(plan))
+    return grads + params, 2 * state + grads
+
+
+def _held(plan: Plan) -> tuple[Stored, ...]:
+    return plan.opt + (plan.master or ())

@@ -1,0 +1,187 @@
+"""``jzero.autoconfigure``: the selection on synthetic candidate tables (the ZeRO paper's
+Table 2 from the other side), the micro-batch arithmetic (the global batch and single-device
+Optax's numerics kept), one search end to end on a small model (the chosen step compiles
+within the budget and runs), and the answer when nothing fits."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import (
+    assert_tree_close,
+    awkward_batches,
+    awkward_loss,
+    awkward_params,
+    make_tx,
+    reference,
+    regression_batches,
+    stacked_loss,
+    stacked_params,
+)
+
+import jzero
+from jzero.autoconfig import DeviceModel, Row, select
+from jzero.autoconfig.candidates import RECOMPUTE, Shape, accumulations, describe, micro_batch
+
+# Fixed rates, so that every prediction here is arithmetic, never a measurement.
+MODEL = DeviceModel(
+    flops_per_s=1e10, collective_bytes_per_s=1e9, host_copy_bytes_per_s=1e9,
+    host_update_bytes_per_s=1e10,
+)  # fmt: skip
+N = 8
+
+
+def _row(stage, device_bytes, seconds, *, budget, offload=False, accum=1):
+    config = Shape(stage, offload, False).config(
+        jzero.ZeroConfig(stage=0), accum=accum, bucket=False, prefetch=False
+    )
+    dropped = None if device_bytes <= budget else "compiled peak > budget"
+    return Row(describe(config), config, 1, device_bytes, device_bytes, 0, 0.0, 0.0, seconds,
+               dropped)  # fmt: skip
+
+
+def test_select_the_fastest_that_fits_and_among_ties_the_simplest():
+    rows = [
+        _row(0, 90, 1.00, budget=50),  # too big
+        _row(2, 40, 1.02, budget=50),
+        _row(1, 45, 1.01, budget=50),
+        _row(3, 10, 1.50, budget=50),
+        _row(3, 20, 0.80, budget=50, offload=True),  # fastest
+    ]
+    assert select(rows).config == rows[4].config
+    rows[4] = _row(3, 20, 1.00, budget=50, offload=True)  # now within 5 % of stage 1 and 2
+    assert select(rows).config.stage == 1  # the lowest stage of the tie
+    assert select(rows, tie=0.0).config == rows[4].config
+    assert select([_row(0, 90, 1.0, budget=50)]) is None
+
+
+@pytest.mark.parametrize("stage_that_fits", [0, 1, 2, 3])
+def test_table_2_from_the_other_side(stage_that_fits):
+    """At N = 8 with Adam in mixed precision (K = 12), the largest model of each stage
+    (model states alone, the paper's Table 2) is trained at the lowest stage that holds it,
+    and at stage 3 exactly where stages 0-2 do not: the candidates' memory is the
+    estimator's, their predicted time the ring bytes of their collectives (2Ψ for stages
+    0-2, 3Ψ for stage 3, in fp16)."""
+    budget = 16e9
+    largest = [jzero.max_params(device_memory=budget, devices=N, stage=s) for s in range(4)]
+    assert largest == sorted(largest)
+    psi = largest[stage_that_fits]
+    rows = []
+    for stage in range(4):
+        states = jzero.estimate(params=psi, devices=N, stage=stage).model_state_bytes
+        ring = (3 if stage == 3 else 2) * psi * 2 * (N - 1) / N
+        rows.append(_row(stage, states, MODEL.step_seconds(0, ring), budget=budget))
+    assert select(rows).config.stage == stage_that_fits
+    fits = [r.config.stage for r in rows if r.fits]
+    assert min(fits) == stage_that_fits  # and every stage above it fits too
+    assert fits == list(range(stage_that_fits, 4))
+
+
+def test_the_micro_batch_arithmetic_keeps_the_global_batch():
+    assert accumulations(64, 8) == (1, 2, 4, 8)
+    assert accumulations(24, 4) == (1, 2, 3, 6)
+    for k in accumulations(96, 8):
+        assert micro_batch(96, 8, k) * k * 8 == 96
+    with pytest.raises(ValueError, match="a global batch of 20 rows does not split over 8"):
+        accumulations(20, 8)
+    with pytest.raises(ValueError, match="do not split into 5 micro-batches"):
+        micro_batch(64, 8, 5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "accum"), [(Shape(3, False, False), 4), (Shape(1, False, False), 2)]
+)
+def test_every_accumulation_trains_as_single_device_optax_on_the_global_batch(shape, accum):
+    """A candidate's accumulation changes how the global batch is cut, not what is learnt:
+    fp32, the same updates as one device on the whole batch (to rounding, as the parity
+    tests state it)."""
+    params, batches = awkward_params(), awkward_batches(3, batch_size=32)
+    base = jzero.ZeroConfig(stage=0)
+    config = shape.config(base, accum=accum, bucket=shape.stage >= 2, prefetch=False)
+    assert config.step.grad_accum == accum and config.stage == shape.stage
+    opt = jzero.ZeroOptimizer(make_tx(), jzero.data_mesh(), config=config)
+    state, step = opt.init(params), opt.train_step(awkward_loss)
+    for batch in batches:
+        state, _ = step(state, batch)
+    want = reference(make_tx(), params, awkward_loss, batches)
+    assert_tree_close(opt.full_params(state), want.params, rtol=1e-6, atol=1e-6)
+
+
+def test_recompute_is_stage_3_s_nothing_saveable():
+    config = Shape(3, False, True).config(
+        jzero.ZeroConfig(stage=0), accum=2, bucket=False, prefetch=False
+    )
+    assert config.step.remat_policy is RECOMPUTE is jax.checkpoint_policies.nothing_saveable
+    assert describe(config) == "zero3 recompute accum=2"
+
+
+def _search(budget, **kwargs):
+    shapes = jax.eval_shape(stacked_params)
+    batch = jax.eval_shape(lambda: regression_batches(1, 32, 64)[0])
+    return jzero.autoconfigure(
+        stacked_loss, shapes, batch=batch, mesh=jzero.data_mesh(), tx=optax.adam(1e-2),
+        device_budget=budget, device_model=MODEL, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_budget():
+    choice = _search(150e3)
+    chosen = choice.chosen
+    assert choice.config is not None and chosen is not None and chosen.fits
+    assert chosen.device_bytes <= 150e3
+    for row in choice.rows:  # every compiled row over the budget is dropped, and says so
+        if row.device_bytes is not None and row.device_bytes > 150e3:
+            assert row.dropped.startswith("compiled peak")
+    fitting = [r.seconds for r in choice.rows if r.fits]
+    assert chosen.seconds <= min(fitting) * 1.05
+    assert {r.config.stage for r in choice.rows} == {0, 1, 2, 3}
+    assert choice.compiled == sum(r.device_bytes is not None for r in choice.rows)
+    assert chosen.name in choice.table() and "<- chosen" in choice.table()
+    # the chosen configuration, built and run, is the one compiled (peak within budget)
+    opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), config=choice.config)
+    state, step = opt.init(stacked_params()), opt.train_step(stacked_loss)
+    batch = regression_batches(1, 32, 64)[0]
+    peak = jzero.accounting.memory_spaces.of_compiled(step.lower(state, batch).compile())
+    assert peak["device"] == chosen.device_bytes <= 150e3
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_prediction_is_the_stated_model_of_the_compiled_step():
+    choice = _search(1e9)
+    for row in (r for r in choice.rows if r.fits and r.config.offload.optimizer is None):
+        assert row.seconds == pytest.approx(MODEL.step_seconds(row.flops, row.collective_bytes))
+    assert MODEL.step_seconds(2e10, 1e9, 1e9, 1e10) == pytest.approx(2 + 1 + 1 + 1)
+
+
+def test_when_nothing_fits_the_answer_is_the_smallest_budget_that_would():
+    choice = _search(1e3)
+    assert choice.config is None and choice.chosen is None
+    smallest = choice.smallest
+    assert smallest is not None and smallest.config.stage == 3
+    compiled = [r.device_bytes for r in choice.rows if r.device_bytes is not None]
+    assert smallest.device_bytes == min(compiled)
+    text = f"the smallest that would is {smallest.device_bytes / 1e6:,.2f} MB, with {smallest.name}"
+    assert text in choice.summary()
+    again = _search(smallest.device_bytes)  # and at that budget, it fits
+    assert again.config is not None and again.chosen.device_bytes <= smallest.device_bytes
+
+
+def test_bad_inputs_are_named():
+    shapes = jax.eval_shape(stacked_params)
+    batch = {"x": jax.ShapeDtypeStruct((20, 64), jnp.float32)}
+    with pytest.raises(ValueError, match="a global batch of 20 rows does not split over 8"):
+        jzero.autoconfigure(stacked_loss, shapes, batch=batch, mesh=jzero.data_mesh(),
+                            tx=optax.adam(1e-2), device_model=MODEL)  # fmt: skip
+    with pytest.raises(ValueError, match="needs params= or init_fn="):
+        jzero.autoconfigure(stacked_loss, batch=batch, mesh=jzero.data_mesh(),
+                            tx=optax.adam(1e-2), device_model=MODEL)  # fmt: skip
+
+
+def test_calibration_measures_positive_rates():
+    model = jzero.autoconfig.calibrate(jzero.data_mesh(), repeats=1)
+    assert all(math.isfinite(r) and r > 0 for r in model[:2])
+    assert all(r > 0 for r in model)
