@@ -2,10 +2,13 @@
 
 A step is predicted to take
 
-    flops / F  +  collective bytes / B  +  host copy bytes / H  +  host update bytes / U
+    flops / F  +  collectives x A  +  collective bytes / B  +  host copy bytes / H
+    +  host update bytes / U
 
-seconds per device: ``F`` the throughput of a dense matmul, ``B`` the ring bytes per second
-of an all-gather over the mesh's ``data`` axis, ``H`` the bytes per second of copies
+seconds per device: ``F`` the throughput of a dense matmul, ``A`` the time one collective
+takes whatever its size (its launch and synchronisation: many small collectives cost more
+than one bucket of the same bytes), ``B`` the ring bytes per second of an all-gather over
+the mesh's ``data`` axis, ``H`` the bytes per second of copies
 between device and pinned host memory, ``U`` the bytes per second the host reads and writes
 in an elementwise update (the host optimizer step). The terms are added, not overlapped:
 a conservative model that orders configurations by what they spend, which is what the
@@ -28,12 +31,14 @@ from jax.sharding import PartitionSpec as P
 _MATMUL = 512  # the probe's square matmul, per device
 _GATHER_BYTES = 2**22  # the all-gather probe's bytes per device
 _COPY_BYTES = 2**24  # the host probes' bytes
+_CHAIN = 32  # the latency probe's extra collectives
 
 
 class DeviceModel(NamedTuple):
     """Rates of one device of a mesh (see the module's docstring for the model)."""
 
     flops_per_s: float  # F: dense matmul FLOPs per second
+    collective_s: float  # A: seconds per collective, whatever its size
     collective_bytes_per_s: float  # B: all-gather ring bytes per second, per device
     host_copy_bytes_per_s: float  # H: device <-> pinned host bytes per second
     host_update_bytes_per_s: float  # U: bytes per second an elementwise host update touches
@@ -44,10 +49,13 @@ class DeviceModel(NamedTuple):
         collective_bytes: float,
         host_copy_bytes: float = 0.0,
         host_update_bytes: float = 0.0,
+        *,
+        collectives: float = 0.0,
     ) -> float:
         """The predicted seconds of one step that spends these per device."""
         return (
             flops / self.flops_per_s
+            + collectives * self.collective_s
             + collective_bytes / self.collective_bytes_per_s
             + host_copy_bytes / self.host_copy_bytes_per_s
             + host_update_bytes / self.host_update_bytes_per_s
@@ -58,6 +66,7 @@ def calibrate(mesh: Mesh, *, repeats: int = 3) -> DeviceModel:
     """Measures the device model's rates on ``mesh`` (its ``data`` axis for collectives)."""
     return DeviceModel(
         flops_per_s=_matmul_rate(mesh, repeats),
+        collective_s=_collective_time(mesh, repeats),
         collective_bytes_per_s=_gather_rate(mesh, repeats),
         host_copy_bytes_per_s=_copy_rate(mesh, repeats),
         host_update_bytes_per_s=_update_rate(repeats),
@@ -82,6 +91,24 @@ def _matmul_rate(mesh: Mesh, repeats: int) -> float:
     b = jnp.ones((_MATMUL, _MATMUL), jnp.float32)
     matmul = jax.jit(lambda a, b: a @ b)
     return 2 * _MATMUL**3 / _best(lambda: matmul(a, b), repeats)
+
+
+def _collective_time(mesh: Mesh, repeats: int) -> float:
+    """Seconds per tiny all-reduce over ``data``: ``_CHAIN`` more of them in one program,
+    each waiting for the last, divided by their number (the program's own launch cancels)."""
+    if mesh.shape["data"] == 1:
+        return 0.0
+
+    def chain(n: int) -> Callable[[], object]:
+        body = lambda _, x: jax.lax.psum(x, "data") * 0.5
+        loop = lambda x: jax.lax.fori_loop(0, n, body, x)
+        spec = P("data")
+        fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+        x = jax.device_put(jnp.ones(mesh.shape["data"], jnp.float32), NamedSharding(mesh, spec))
+        return lambda: fn(x)
+
+    one, many = _best(chain(1), repeats), _best(chain(1 + _CHAIN), repeats)
+    return max(many - one, 0.0) / _CHAIN
 
 
 def _gather_rate(mesh: Mesh, repeats: int) -> float:

@@ -12,9 +12,9 @@ The search, for a loss, its parameters, a global batch and a mesh:
    reduce-scatters); then, for the three fastest, buckets and prefetch.
 3. **Read each compiled step**: its peak per memory space
    (:func:`jzero.accounting.memory_spaces.of_compiled`), its collective bytes per device
-   (:func:`jzero.accounting.comm_bytes`) and its dot FLOPs (:func:`jzero.accounting.dot_flops`,
-   loops counted per run), plus the bytes an offloaded optimizer moves and updates on the
-   host (from its plan).
+   (:func:`jzero.accounting.comm_bytes`) and how many it launches, and its dot FLOPs
+   (:func:`jzero.accounting.dot_flops`, loops counted per run), plus the bytes an
+   offloaded optimizer moves and updates on the host (from its plan).
 4. **Predict** each step's time with a :class:`.device_model.DeviceModel`, calibrated once
    per machine by a short probe, and **choose** the fastest that fits; among those within
    ``tie`` (5 %) of it, the simplest (the lowest stage, no offload, no recompute, then
@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from .._table import table
 from ..accounting import memory_spaces
 from ..accounting.estimate import estimate
-from ..accounting.hlo import comm_bytes, dot_flops
+from ..accounting.hlo import Collective, collectives, comm_bytes, dot_flops
 from ..core.optimizer import ZeroOptimizer
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import Plan, Stored
@@ -63,6 +63,7 @@ class Row(NamedTuple):
     device_bytes: int | None  # compiled peak in device memory (None: not compiled)
     host_bytes: int | None  # compiled peak in pinned host memory
     collective_bytes: float | None  # ring bytes per device per step
+    collectives: int | None  # collectives launched per step
     flops: float | None  # dot FLOPs per device per step
     seconds: float | None  # predicted step time
     dropped: str | None  # why it was not chosen (None: it fits)
@@ -129,8 +130,8 @@ def nothing_fits(choice: Choice) -> str:
 
 def select(rows: Sequence[Row], *, tie: float = TIE) -> Row | None:
     """The fastest row that fits; among those predicted within ``tie`` of it, the simplest
-    (lowest stage, then no offload, no recompute, no buckets or prefetch, fewest
-    micro-batches). None when none fits."""
+    (lowest stage, then no offload, no recompute, fewest micro-batches), then the fastest
+    (buckets and prefetch change no number, only the time). None when none fits."""
     fits = [r for r in rows if r.fits]
     if not fits:
         return None
@@ -144,7 +145,6 @@ def _simplicity(config: ZeroConfig) -> tuple:
         config.stage,
         config.offload.optimizer is not None,
         config.step.remat_policy is not None,
-        config.comm.bucket + config.comm.prefetch,
         config.step.grad_accum,
     )
 
@@ -324,8 +324,8 @@ class _Search:
 
     def _row(self, config: ZeroConfig, states: float, *, why: str, **measured) -> Row:
         mb = micro_batch(self.problem.rows, self.dp, config.step.grad_accum)
-        fields = dict(device_bytes=None, host_bytes=None, collective_bytes=None, flops=None,
-                      seconds=None) | measured  # fmt: skip
+        fields = dict(device_bytes=None, host_bytes=None, collective_bytes=None, collectives=None,
+                      flops=None, seconds=None) | measured  # fmt: skip
         return Row(describe(config), config, mb, states, dropped=why, **fields)
 
     def _measure(self, config: ZeroConfig, states: float) -> Row:
@@ -342,9 +342,10 @@ class _Search:
         self.compiled += 1
         text = compiled.as_text()
         peak = memory_spaces.of_compiled(compiled, hlo_text=text)
-        comm, flops = comm_bytes(text)["total"], dot_flops(text)
+        found = collectives(text)
+        comm, flops, count = comm_bytes(found)["total"], dot_flops(text), _launches(found)
         copies, updates = _host_bytes(state.plan)
-        seconds = self.model.step_seconds(flops, comm, copies, updates)
+        seconds = self.model.step_seconds(flops, comm, copies, updates, collectives=count)
         device, host = peak["device"], peak["pinned_host"]
         why = None
         if device > self.budget:
@@ -352,7 +353,14 @@ class _Search:
         elif host and (self.host_budget is None or host > self.host_budget):
             why = f"host peak {host / 1e6:,.2f} MB > host budget"
         return Row(describe(config), config, micro_batch(p.rows, self.dp, config.step.grad_accum),
-                   states, device, host, comm, flops, seconds, why)  # fmt: skip
+                   states, device, host, comm, count, flops, seconds, why)  # fmt: skip
+
+
+def _launches(found: list[Collective]) -> int:
+    """Collectives a step launches: each instruction once per run (a combined collective's
+    arrays share one launch)."""
+    runs = {(c.computation, c.name): c.trip_count or 1 for c in found}
+    return sum(runs.values())
 
 
 def _host_bytes(plan: Plan) -> tuple[float, float]:

@@ -71,7 +71,8 @@ def to_json(choice: Any) -> dict:
         "prefetch": r.config.comm.prefetch, "grad_accum": r.config.step.grad_accum,
         "micro_batch": r.micro_batch, "estimate_bytes": r.estimate_bytes,
         "device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
-        "collective_bytes": r.collective_bytes, "flops": r.flops, "seconds": r.seconds,
+        "collective_bytes": r.collective_bytes, "collectives": r.collectives,
+        "flops": r.flops, "seconds": r.seconds,
         "dropped": r.dropped,
     }  # fmt: skip
     chosen = choice.chosen

@@ -3,6 +3,7 @@ Table 2 from the other side), the micro-batch arithmetic (the global batch and s
 Optax's numerics kept), one search end to end on a small model (the chosen step compiles
 within the budget and runs), and the answer when nothing fits."""
 
+import dataclasses
 import math
 
 import jax
@@ -28,7 +29,7 @@ from jzero.autoconfig.candidates import RECOMPUTE, Shape, accumulations, describ
 
 # Fixed rates, so that every prediction here is arithmetic, never a measurement.
 MODEL = DeviceModel(
-    flops_per_s=1e10, collective_bytes_per_s=1e9, host_copy_bytes_per_s=1e9,
+    flops_per_s=1e10, collective_s=1e-5, collective_bytes_per_s=1e9, host_copy_bytes_per_s=1e9,
     host_update_bytes_per_s=1e10,
 )  # fmt: skip
 N = 8
@@ -39,7 +40,7 @@ def _row(stage, device_bytes, seconds, *, budget, offload=False, accum=1):
         jzero.ZeroConfig(stage=0), accum=accum, bucket=False, prefetch=False
     )
     dropped = None if device_bytes <= budget else "compiled peak > budget"
-    return Row(describe(config), config, 1, device_bytes, device_bytes, 0, 0.0, 0.0, seconds,
+    return Row(describe(config), config, 1, device_bytes, device_bytes, 0, 0.0, 0, 0.0, seconds,
                dropped)  # fmt: skip
 
 
@@ -153,8 +154,14 @@ def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_bu
 def test_prediction_is_the_stated_model_of_the_compiled_step():
     choice = _search(1e9)
     for row in (r for r in choice.rows if r.fits and r.config.offload.optimizer is None):
-        assert row.seconds == pytest.approx(MODEL.step_seconds(row.flops, row.collective_bytes))
-    assert MODEL.step_seconds(2e10, 1e9, 1e9, 1e10) == pytest.approx(2 + 1 + 1 + 1)
+        want = MODEL.step_seconds(row.flops, row.collective_bytes, collectives=row.collectives)
+        assert row.seconds == pytest.approx(want) and row.collectives > 0
+    assert MODEL.step_seconds(2e10, 1e9, 1e9, 1e10, collectives=1e5) == pytest.approx(1 + 2 + 3)
+    bucketed = [r for r in choice.rows if r.config.comm.bucket and r.fits]
+    for row in bucketed:  # one collective per layer, not per leaf: never more launches
+        plain = next(r for r in choice.rows if r.fits and r.config == dataclasses.replace(
+            row.config, comm=dataclasses.replace(row.config.comm, bucket=False)))  # fmt: skip
+        assert row.collectives <= plain.collectives
 
 
 def test_when_nothing_fits_the_answer_is_the_smallest_budget_that_would():
