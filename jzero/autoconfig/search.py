@@ -45,7 +45,7 @@ from ..accounting.estimate import estimate
 from ..accounting.hlo import Collective, collectives, comm_bytes, dot_flops
 from ..core.optimizer import ZeroOptimizer
 from ..core.options.zero_config import ZeroConfig
-from ..core.plan import Plan, Stored
+from ..core.plan import Plan
 from .candidates import Shape, accumulations, collective_variants, describe, micro_batch, shapes
 from .device_model import DeviceModel, calibrate
 
@@ -375,9 +375,5 @@ def _host_bytes(plan: Plan) -> tuple[float, float]:
     shard = lambda s: math.prod(s.shape) / (n if s.partitioned else 1)
     grads = sum(shard(s) * reduce for s in plan.params)
     params = sum(shard(s) * s.dtype.itemsize for s in plan.params)
-    state = sum(shard(s) * s.dtype.itemsize for s in _held(plan))
+    state = sum(shard(s) * s.dtype.itemsize for s in plan.opt + (plan.master or ()))
     return grads + params, 2 * state + grads
-
-
-def _held(plan: Plan) -> tuple[Stored, ...]:
-    return plan.opt + (plan.master or ())

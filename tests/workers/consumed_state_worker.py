@@ -22,31 +22,15 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
-import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from _flax_models import NNXMLP, D, LinenMLP  # noqa: E402
 from _models import awkward_batches, awkward_loss, awkward_params  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jzero  # noqa: E402
-
-D = 16
-
-
-class LinenMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(D)(jnp.tanh(nn.Dense(2 * D)(x)))
-
-
-class NNXMLP(nnx.Module):
-    def __init__(self, rngs):
-        self.up, self.down = nnx.Linear(D, 2 * D, rngs=rngs), nnx.Linear(2 * D, D, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jnp.tanh(self.up(x)))
 
 
 def mlp_batch() -> dict[str, jax.Array]:
