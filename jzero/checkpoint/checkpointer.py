@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -441,11 +442,17 @@ def _reasons(skipped: list[tuple[int, str]]) -> str:
     return "; ".join(f"step {s}: {r}" for s, r in skipped)
 
 
+_OS_ERROR = re.compile(r"os_error_code=|\[Errno \d+\]")
+
+
 def _first_line(e: BaseException) -> str:
-    """The useful part of an Orbax / tensorstore error: its first line without the spec
-    they append, shortened in the middle (the OS error, e.g. "File too large", ends it)."""
-    text = str(e).strip().split(" See full TensorStore details")[0].splitlines()
-    line = text[0].rstrip(".") if text else ""
+    """The useful part of an Orbax / tensorstore error: the line that names the OS error
+    (e.g. "File too large"; else the first line), cut after it (tensorstore appends its
+    spec and source locations) and shortened in the middle."""
+    lines = str(e).strip().split(" See full TensorStore details")[0].splitlines() or [""]
+    line = next((x for x in lines if _OS_ERROR.search(x)), lines[0])
+    code = re.search(r"\[os_error_code=[^\]]*\]", line)
+    line = (line[: code.end()] if code else line).rstrip(".")
     return line if len(line) <= 400 else f"{line[:200]} ... {line[-200:]}"
 
 

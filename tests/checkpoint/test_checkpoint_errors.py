@@ -87,14 +87,16 @@ def test_a_failed_save_is_reported_at_the_next_call_and_the_process_exits(tmp_pa
     assert said["gone: save 2"] == "returned True"  # usable again once the cause is gone
     not_saved = "CheckpointSaveError: checkpoint step {} was not saved to {}: ValueError: "
     too_large = "File too large [os_error_code='27']. The checkpoints finished before it are intact"
+    # (which write fails first, and so the rest of the OS error's line, varies with timing)
     for call, step in (("save 2", 1), ("wait", 2), ("close", 3)):  # the next call reports it
         message = said[f"full: {call}"]
         assert message.startswith(not_saved.format(step, tmp_path / "full")), said
-        assert too_large in message
+        assert too_large in message, message
     assert said["full: save 2 again"] == "returned True"
     # save_every=10: a save that is not due reports the failure as soon as it is known
     message = said["every10: save 11 (not due)"]
-    assert message.startswith(not_saved.format(10, tmp_path / "every10")) and too_large in message
+    assert message.startswith(not_saved.format(10, tmp_path / "every10")), message
+    assert too_large in message, message
     assert said["every10: close"] == "returned None"  # reported once
     # what was saved before the failures is intact and restores
     for name in ("full", "every10"):
@@ -104,6 +106,20 @@ def test_a_failed_save_is_reported_at_the_next_call_and_the_process_exits(tmp_pa
         restored = ckpt.restore(make_opt(), params)
         assert restored.step == 0 and restored.skipped == ()
         assert_params(make_opt(), restored.state, params)
+
+
+def test_the_os_error_is_kept_whichever_line_of_the_storage_error_names_it():
+    from jzero.checkpoint.checkpointer import _first_line
+
+    tail = "File too large [os_error_code='27']"
+    spec = " [source locations='tensorstore/kvstore/file/file_key_value_store.cc:123']"
+    long = "x" * 500
+    two_lines = ValueError(f"OUT_OF_RANGE: Error writing\nError writing {long}: {tail}{spec}")
+    assert _first_line(two_lines).endswith(tail)
+    assert _first_line(ValueError(f"Error writing: {tail}. See full TensorStore details: x")) == (
+        f"Error writing: {tail}"
+    )
+    assert _first_line(ValueError("first line.\nsecond line")) == "first line"
 
 
 # ------------------------------------------------------------- two writers, one directory
