@@ -6,13 +6,14 @@ A step is predicted to take
     +  host update bytes / U
 
 seconds per device: ``F`` the throughput of a dense matmul, ``A`` the time one collective
-takes whatever its size (its launch and synchronisation: many small collectives cost more
-than one bucket of the same bytes), ``B`` the ring bytes per second of an all-gather over
-the mesh's ``data`` axis, ``H`` the bytes per second of copies
+adds to a step whatever its size (its launch, and the devices' meeting between compute:
+many small collectives cost more than one bucket of the same bytes), ``B`` the ring bytes
+per second of an all-gather over the mesh's ``data`` axis at the sizes a leaf's gather has
+(1-4 MB gathered), ``H`` the bytes per second of copies
 between device and pinned host memory, ``U`` the bytes per second the host reads and writes
 in an elementwise update (the host optimizer step). The terms are added, not overlapped:
 a conservative model that orders configurations by what they spend, which is what the
-search needs. :func:`calibrate` measures the four rates once per machine (about a second;
+search needs. :func:`calibrate` measures the four rates once per machine (a few seconds;
 the best of a few repeats of each probe after a warm-up).
 """
 
@@ -29,9 +30,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 _MATMUL = 512  # the probe's square matmul, per device
-_GATHER_BYTES = 2**22  # the all-gather probe's bytes per device
+_SYNC_MATMUL = 128  # the compute between the latency probe's collectives, per device
+_GATHER_BYTES = 2**20  # the smaller all-gather probe's gathered bytes per device
 _COPY_BYTES = 2**24  # the host probes' bytes
-_CHAIN = 32  # the latency probe's extra collectives
+_CHAIN = 32  # the latency probe's collectives
 
 
 class DeviceModel(NamedTuple):
@@ -94,29 +96,35 @@ def _matmul_rate(mesh: Mesh, repeats: int) -> float:
 
 
 def _collective_time(mesh: Mesh, repeats: int) -> float:
-    """Seconds per tiny all-reduce over ``data``: ``_CHAIN`` more of them in one program,
-    each waiting for the last, divided by their number (the program's own launch cancels)."""
+    """Seconds one tiny all-reduce over ``data`` adds between dense compute, as a step's
+    collectives sit: a loop of ``_CHAIN`` small matmul chains with and without one each
+    (the devices must meet at each: their launch and synchronisation), the difference
+    divided by their number. Without the compute around it a collective costs less."""
     if mesh.shape["data"] == 1:
         return 0.0
 
-    def chain(n: int) -> Callable[[], object]:
-        body = lambda _, x: jax.lax.psum(x, "data") * 0.5
-        loop = lambda x: jax.lax.fori_loop(0, n, body, x)
+    def chain(sync: bool) -> Callable[[], object]:
+        def body(_, x):
+            x = jnp.tanh(x @ x.T @ x / _SYNC_MATMUL)
+            return x * (1 + 1e-3 * jax.lax.psum(x[:1, :1], "data")) if sync else x
+
+        loop = lambda x: jax.lax.fori_loop(0, _CHAIN, body, x)
         spec = P("data")
         fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-        x = jax.device_put(jnp.ones(mesh.shape["data"], jnp.float32), NamedSharding(mesh, spec))
+        shape = (mesh.shape["data"] * _SYNC_MATMUL, _SYNC_MATMUL)
+        x = jax.device_put(jnp.full(shape, 1 / _SYNC_MATMUL), NamedSharding(mesh, spec))
         return lambda: fn(x)
 
-    one, many = _best(chain(1), repeats), _best(chain(1 + _CHAIN), repeats)
-    return max(many - one, 0.0) / _CHAIN
+    return max(_best(chain(True), repeats) - _best(chain(False), repeats), 0.0) / _CHAIN
 
 
 def _gather_rate(mesh: Mesh, repeats: int) -> float:
+    """Ring bytes per second of an all-gather over ``data``, from two sizes a leaf's
+    gather has (``_GATHER_BYTES``, and 4 x that, gathered per device): the difference of
+    their times over the difference of their bytes (the launch cancels)."""
     n = mesh.shape["data"]
     if n == 1:
         return float("inf")  # no collective to wait for
-    rows = _GATHER_BYTES // 4 // 256
-    shards = jax.device_put(jnp.ones((n * rows, 256), jnp.float32), NamedSharding(mesh, P("data")))
     gather = jax.jit(
         jax.shard_map(
             lambda x: jax.lax.all_gather(x, "data", tiled=True),
@@ -126,8 +134,14 @@ def _gather_rate(mesh: Mesh, repeats: int) -> float:
             check_vma=False,
         )
     )
-    ring = _GATHER_BYTES * (n - 1)  # each device receives the other n-1 shards
-    return ring / _best(lambda: gather(shards), repeats)
+
+    def seconds(gathered: int) -> float:
+        shape = (gathered // 4 // 256, 256)  # the whole gathered array, n shards of it
+        shards = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P("data")))
+        return _best(lambda: gather(shards), repeats)
+
+    ring = 3 * _GATHER_BYTES * (n - 1) / n  # each device receives the other n-1 shards
+    return ring / max(seconds(4 * _GATHER_BYTES) - seconds(_GATHER_BYTES), 1e-9)
 
 
 def _copy_rate(mesh: Mesh, repeats: int) -> float:
