@@ -204,14 +204,20 @@ def _process(
     cmd += ["--dry-run"] if args.dry_run else []
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        said = _text(e.stderr)[-2000:] + _text(e.stdout)[-1000:]  # where it was
         return (
             f"timed out after {seconds:.0f} s: run it alone (--only {unit}) or "
-            "give it more time (--part-seconds)"
+            "give it more time (--part-seconds)" + (f"; it had written:\n{said}" if said else "")
         )
     if done.returncode != 0:
         return f"exit status {done.returncode}:\n" + done.stderr[-4000:]
     return None
+
+
+def _text(output: bytes | str | None) -> str:
+    """What a timed-out process had written (bytes, even with ``text=True``)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def run_unit(args, piece_name: str, part: str | None, doc: dict, machine: dict) -> dict:

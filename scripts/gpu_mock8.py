@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
+import time
 from typing import Any
 
 import bench  # scripts/bench.py (puts examples/ and scripts/ on sys.path)
@@ -70,12 +72,17 @@ def schedule_of(run: bench.Run, s: dict[str, int]) -> str:
     return step.lower(state, {"tokens": tokens}).compile().as_text()
 
 
+def _progress(what: str, start: float) -> None:
+    """A line on stderr: where a part that runs out of time was (the driver reports it)."""
+    print(f"{time.perf_counter() - start:7.1f} s  {what}", file=sys.stderr, flush=True)
+
+
 def overlap(ctx: Context, s: dict[str, int]) -> dict[str, Any]:
-    runs = {r.name: r for r in bench.RUNS}
-    summaries = {
-        name: overlap_summary(collective_overlap(schedule_of(runs[name], s)))
-        for name in ("zero3_auto", "zero3_prefetch")
-    }
+    runs, start, summaries = {r.name: r for r in bench.RUNS}, time.perf_counter(), {}
+    for name in ("zero3_auto", "zero3_prefetch"):
+        _progress(f"compiling {name}", start)
+        summaries[name] = overlap_summary(collective_overlap(schedule_of(runs[name], s)))
+    _progress("compiled", start)
     without = summaries["zero3_auto"]["overlapped_fraction"] or 0.0
     with_ = summaries["zero3_prefetch"]["overlapped_fraction"] or 0.0
     name = "mock8 prefetch overlap"
@@ -165,9 +172,10 @@ def table2_estimate(ctx: Context) -> dict[str, Any]:
         vocab=s["vocab"], seq_len=s["seq_len"], d_model=s["d_model"], heads=s["heads"],
         batch=s["batch"], seed=0, warmup=0, max_model_train=0,
     )  # fmt: skip
-    stages, targets = {}, []
+    stages, targets, start = {}, [], time.perf_counter()
     for entry in (e for e in max_model.ENTRIES if e.name in TABLE2):
         layers = _predicted_layers(args, entry, budget)
+        _progress(f"compiling {entry.name} at {layers} layers", start)
         c = max_model.compile_step(args, entry=entry, layers=layers, batch=s["batch"],
                                    make_tx=bench._adamw)  # fmt: skip
         stages[entry.name] = {

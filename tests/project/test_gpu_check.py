@@ -228,3 +228,15 @@ def test_a_dry_run_refuses_to_overwrite_gpu_results(tmp_path):
     with pytest.raises(ValueError, match="holds GPU results"):
         gpu_check._load(path, dry_run=True)
     assert gpu_check._load(path, dry_run=False)["pieces"] == {"n1": {"targets": []}}
+
+
+def test_a_part_that_times_out_reports_what_it_had_written(monkeypatch):
+    def timeout(cmd, **kw):
+        out, err = b"probe done\n", b"compiling zero3\n"
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=out, stderr=err)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", timeout)
+    args = gpu_check.argparse.Namespace(dry_run=False)
+    error = gpu_check._process(args, "table2", REPO / "x.json", env={}, gpus=1, seconds=5)
+    assert error.startswith("timed out after 5 s: run it alone (--only table2)"), error
+    assert error.endswith("it had written:\ncompiling zero3\nprobe done\n"), error
