@@ -99,23 +99,27 @@ def _collective_time(mesh: Mesh, repeats: int) -> float:
     """Seconds one tiny all-reduce over ``data`` adds between dense compute, as a step's
     collectives sit: a loop of ``_CHAIN`` small matmul chains with and without one each
     (the devices must meet at each: their launch and synchronisation), the difference
-    divided by their number. Without the compute around it a collective costs less."""
+    divided by their number; at least what one costs with no compute around it (the
+    difference of ``_CHAIN`` chained all-reduces and one), which bounds it from below
+    when a busy machine blurs the difference."""
     if mesh.shape["data"] == 1:
         return 0.0
+    spec = P("data")
 
-    def chain(sync: bool) -> Callable[[], object]:
+    def timed(n: int, sync: bool, matmul: bool) -> float:
         def body(_, x):
-            x = jnp.tanh(x @ x.T @ x / _SYNC_MATMUL)
+            x = jnp.tanh(x @ x.T @ x / _SYNC_MATMUL) if matmul else x
             return x * (1 + 1e-3 * jax.lax.psum(x[:1, :1], "data")) if sync else x
 
-        loop = lambda x: jax.lax.fori_loop(0, _CHAIN, body, x)
-        spec = P("data")
+        loop = lambda x: jax.lax.fori_loop(0, n, body, x)
         fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
         shape = (mesh.shape["data"] * _SYNC_MATMUL, _SYNC_MATMUL)
         x = jax.device_put(jnp.full(shape, 1 / _SYNC_MATMUL), NamedSharding(mesh, spec))
-        return lambda: fn(x)
+        return _best(lambda: fn(x), repeats)
 
-    return max(_best(chain(True), repeats) - _best(chain(False), repeats), 0.0) / _CHAIN
+    between = timed(_CHAIN, True, True) - timed(_CHAIN, False, True)
+    bare = timed(1 + _CHAIN, True, False) - timed(1, True, False)
+    return max(between, bare, 0.0) / _CHAIN
 
 
 def _gather_rate(mesh: Mesh, repeats: int) -> float:
@@ -140,8 +144,11 @@ def _gather_rate(mesh: Mesh, repeats: int) -> float:
         shards = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P("data")))
         return _best(lambda: gather(shards), repeats)
 
-    ring = 3 * _GATHER_BYTES * (n - 1) / n  # each device receives the other n-1 shards
-    return ring / max(seconds(4 * _GATHER_BYTES) - seconds(_GATHER_BYTES), 1e-9)
+    ring = lambda gathered: gathered * (n - 1) / n  # each device receives n-1 shards
+    small, large = seconds(_GATHER_BYTES), seconds(4 * _GATHER_BYTES)
+    if large <= small:  # a busy machine blurred the difference: the launch stays in
+        return ring(4 * _GATHER_BYTES) / large
+    return ring(3 * _GATHER_BYTES) / (large - small)
 
 
 def _copy_rate(mesh: Mesh, repeats: int) -> float:
