@@ -5,7 +5,8 @@
 # per-layer gathering and prefetch, mixed precision, checkpoints, the host optimizer step
 # (compute_on's form changed in jax 0.11.1), the compiled peak per memory space (it reads
 # XLA's HLO text), the checks that name each JAX internal jzero relies on and the
-# moved-internal fallbacks, and the GPU check's CPU dry run (test_gpu_check).
+# moved-internal fallbacks, autoconfigure's search (it compiles and reads every candidate),
+# and the GPU check's CPU dry run (test_gpu_check).
 # scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +19,6 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     tests/core/test_config.py tests/core/gather/test_autogather.py \
     tests/core/gather/test_prefetch.py tests/core/offload/test_offload_host_step.py \
     tests/accounting/test_hlo_stages.py tests/accounting/test_memory_spaces.py \
-    tests/adapters/test_flax.py tests/checkpoint/test_checkpoint.py "$@"
+    tests/adapters/test_flax.py tests/checkpoint/test_checkpoint.py \
+    tests/autoconfig/test_autoconfigure.py "$@"
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m '' tests/project/test_gpu_check.py "$@"

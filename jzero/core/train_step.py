@@ -177,7 +177,12 @@ def _apply(update, state, outputs, scale, ok, config) -> tuple[ZeroState, Metric
     loss, grads, model_state, aux = outputs
     count = loss.count if isinstance(loss, Weighted) else None
     loss = loss.total if isinstance(loss, Weighted) else loss
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads.averaged)}
+    norm = optax.tree.norm(grads.averaged)
+    if update.name == "stream":  # the norm before the update (unordered, XLA ran it last:
+        # every gradient leaf whole on the device through the update, not until its chunks)
+        norm, reduced = jax.lax.optimization_barrier((norm, grads.reduced))
+        grads = grads._replace(reduced=reduced)
+    metrics = {"loss": loss, "grad_norm": norm}
     finite = None
     if state.loss_scale is not None:  # non-finite gradients: the update keeps the state
         finite = jnp.isfinite(metrics["grad_norm"])
