@@ -178,10 +178,11 @@ def _apply(update, state, outputs, scale, ok, config) -> tuple[ZeroState, Metric
     count = loss.count if isinstance(loss, Weighted) else None
     loss = loss.total if isinstance(loss, Weighted) else loss
     norm = optax.tree.norm(grads.averaged)
-    if update.name == "stream":  # the norm before the update (unordered, XLA ran it last:
-        # every gradient leaf whole on the device through the update, not until its chunks)
-        norm, reduced = jax.lax.optimization_barrier((norm, grads.reduced))
-        grads = grads._replace(reduced=reduced)
+    if update.name == "stream":  # the norm before the state streams in (unordered, XLA
+        # ran it last: every gradient leaf whole on the device through the update). Tied to
+        # the stored state, not to the gradients: tying those changed XLA:CPU's rounding
+        norm, opt_state = jax.lax.optimization_barrier((norm, state.opt_state))
+        state = state.replace(opt_state=opt_state)
     metrics = {"loss": loss, "grad_norm": norm}
     finite = None
     if state.loss_scale is not None:  # non-finite gradients: the update keeps the state
