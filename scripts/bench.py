@@ -110,6 +110,7 @@ from jzero.accounting import (
     Collective,
     collectives,
     comm_bytes,
+    launches,
     theory_comm_bytes,
     theory_model_state_bytes,
 )
@@ -302,14 +303,6 @@ def _timed(step, carry, batches, warmup: int) -> tuple[Any, list[float], list[fl
     return carry, losses, times
 
 
-def _count(colls: list[Collective]) -> int:
-    """Collectives one step issues: each HLO collective times its trip count. A combined
-    (tuple-shaped) one counts once, though ``collectives`` lists one entry per array: XLA
-    merges the scalar all-reduces (loss, gradient norm) and dp's gradient all-reduces so."""
-    trips = {(c.computation, c.name): c.trip_count for c in colls}
-    return sum(trips.values())
-
-
 def _json_options(run: Run) -> dict[str, Any]:
     """The run's train_step and ZeroOptimizer keywords, JSON-able (:func:`json_options`)."""
     return json_options(run.step_options or {}, run.opt_options)
@@ -375,7 +368,7 @@ def _run_fields(run: Run, losses, times, **fields) -> dict[str, Any]:
         "all_to_all_bytes_by_dtype": _bytes_by_dtype(fields["collectives"], "all-to-all"),
         "all_gather_bytes_by_group_size": _bytes_by_group(fields["collectives"], "all-gather"),
         "theory_comm_bytes_per_device": float(fields["theory_comm"]),
-        "collectives_per_step": _count(fields["collectives"]),
+        "collectives_per_step": launches(fields["collectives"]),
         "step_ms_median": float(statistics.median(times)),
         "steps_timed": len(times),
         "loss_first": losses[0],

@@ -243,6 +243,15 @@ def dot_flops(hlo_text: str) -> int:
     return total
 
 
+def launches(found: list[Collective]) -> int:
+    """Collectives a step launches: each HLO collective times its runs (its trip count; once
+    where unknown). A combined (tuple-shaped) one counts once, though :func:`collectives`
+    lists one entry per array: XLA merges the scalar all-reduces (loss, gradient norm) and
+    dp's gradient all-reduces so."""
+    runs = {(c.computation, c.name): c.trip_count or 1 for c in found}
+    return sum(runs.values())
+
+
 def _dims(shape: str) -> tuple[int, ...]:
     m = _ARRAY.search(shape)
     return tuple(int(d) for d in m[2].replace("<=", "").split(",") if d) if m else ()

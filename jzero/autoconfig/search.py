@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from .._table import table
 from ..accounting import memory_spaces
 from ..accounting.estimate import estimate
-from ..accounting.hlo import Collective, collectives, comm_bytes, dot_flops
+from ..accounting.hlo import collectives, comm_bytes, dot_flops, launches
 from ..core.optimizer import ZeroOptimizer
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import Plan
@@ -343,7 +343,7 @@ class _Search:
         text = compiled.as_text()
         peak = memory_spaces.of_compiled(compiled, hlo_text=text)
         found = collectives(text)
-        comm, flops, count = comm_bytes(found)["total"], dot_flops(text), _launches(found)
+        comm, flops, count = comm_bytes(found)["total"], dot_flops(text), launches(found)
         copies, updates = _host_bytes(state.plan)
         seconds = self.model.step_seconds(flops, comm, copies, updates, collectives=count)
         device, host = peak["device"], peak["pinned_host"]
@@ -354,13 +354,6 @@ class _Search:
             why = f"host peak {host / 1e6:,.2f} MB > host budget"
         return Row(describe(config), config, micro_batch(p.rows, self.dp, config.step.grad_accum),
                    states, device, host, comm, count, flops, seconds, why)  # fmt: skip
-
-
-def _launches(found: list[Collective]) -> int:
-    """Collectives a step launches: each instruction once per run (a combined collective's
-    arrays share one launch)."""
-    runs = {(c.computation, c.name): c.trip_count or 1 for c in found}
-    return sum(runs.values())
 
 
 def _host_bytes(plan: Plan) -> tuple[float, float]:

@@ -13,7 +13,14 @@ from _hlo_text import ALL_REDUCE_MODULE
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.accounting import Collective, collectives, comm_bytes, dot_flops, summary_table
+from jzero.accounting import (
+    Collective,
+    collectives,
+    comm_bytes,
+    dot_flops,
+    launches,
+    summary_table,
+)
 
 N = 8
 
@@ -296,3 +303,12 @@ def test_dot_flops_counts_each_run_of_a_loop_body():
     assert dot_flops(compiled.as_text()) == 3 * 2 * 4 * 16 * 8
     once = jax.jit(lambda x, w: x @ w[0]).lower(jnp.ones((4, 8)), w).compile()
     assert dot_flops(once.as_text()) == 2 * 4 * 16 * 8
+
+
+def test_launches_counts_a_combined_collective_once_and_each_run_of_a_loop():
+    def one(name, computation="main", trips=1):
+        return Collective("all-reduce", "f32", (4,), 8, 16, 16, trips, computation, name)
+
+    combined = [one("ar.1"), one("ar.1")]  # one tuple-shaped all-reduce of two arrays
+    looped = [one("ag.2", "body", 6), one("rs.3", "body", None)]  # unknown trips: once
+    assert launches(combined + looped) == 1 + 6 + 1
