@@ -177,12 +177,8 @@ def _apply(update, state, outputs, scale, ok, config) -> tuple[ZeroState, Metric
     loss, grads, model_state, aux = outputs
     count = loss.count if isinstance(loss, Weighted) else None
     loss = loss.total if isinstance(loss, Weighted) else loss
-    norm = optax.tree.norm(grads.averaged)
-    if update.name == "stream":  # the norm before the state streams in (unordered, XLA
-        # ran it last: every gradient leaf whole on the device through the update). Tied to
-        # the stored state, not to the gradients: tying those changed XLA:CPU's rounding
-        norm, opt_state = jax.lax.optimization_barrier((norm, state.opt_state))
-        state = state.replace(opt_state=opt_state)
+    norm, opt_state = update.before(optax.tree.norm(grads.averaged), state.opt_state)
+    state = state.replace(opt_state=opt_state)
     metrics = {"loss": loss, "grad_norm": norm}
     finite = None
     if state.loss_scale is not None:  # non-finite gradients: the update keeps the state

@@ -63,6 +63,15 @@ class Updater:
     def __call__(self, plan: Plan, grads: Gradients, opt_state: Any, weights: Any, finite):
         return self.run(self.tx, self.precision, plan, grads, opt_state, weights, finite)
 
+    def before(self, metric: Any, opt_state: Any) -> tuple[Any, Any]:
+        """``(metric, opt_state)``, the metric computed before the update reads the state.
+        Streamed, it is tied to the stored state: unordered, XLA ran the gradient norm after
+        the last piece, every gradient leaf whole on the device through the update (the
+        H200's dump). Tying the gradients instead changed XLA:CPU's rounding."""
+        if self.name != "stream":
+            return metric, opt_state
+        return jax.lax.optimization_barrier((metric, opt_state))
+
 
 def make_updater(tx: optax.GradientTransformation, config: ZeroConfig) -> Updater:
     """The updater ``config`` asks for: on the host, streamed through the device (an

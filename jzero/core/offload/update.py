@@ -96,15 +96,15 @@ def offloaded_update(
     ]
     held: dict[int, jax.Array] = {}  # target -> its new stored value (chunks: so far)
     written, pending = [], []  # targets per piece; the last piece's writes, not yet applied
-    built: list[list[int]] = []  # per piece, the parameter leaves it wrote into new_p
     for k, (b, cut) in enumerate(pieces):
         reads = [*b.opt, *(m + i for i in b.params)]
         ins = [src[t] for t in reads]
-        if k >= _IN_FLIGHT and (written[k - _IN_FLIGHT] or built[k - _IN_FLIGHT]):
+        j = k - _IN_FLIGHT  # the piece whose writes must be back before k copies in
+        tied, params = (written[j], pieces[j][0].params) if j >= 0 else ([], [])
+        if tied or params:
             # copy in once piece k-2 is back and its parameters are written (else XLA
             # fuses each piece's parameter step into the assembly and runs them all last,
             # every piece's new state held on the device until then)
-            tied, params = written[k - _IN_FLIGHT], built[k - _IN_FLIGHT]
             ins, back, new = jax.lax.optimization_barrier(
                 (ins, [held[t] for t in tied], [new_p[i] for i in params])
             )
@@ -134,7 +134,6 @@ def offloaded_update(
             if plan.master is not None:
                 pending.append((m + i, cut, there(new, stored[m + i])))
         written.append([t for t, _, _ in pending])
-        built.append(list(b.params))
     _apply(pending, held, stored, plan)
     new_o = [held.get(j, x) for j, x in enumerate(new_o)]
     master = None

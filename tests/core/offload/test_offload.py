@@ -96,6 +96,23 @@ def test_update_splits_into_one_bucket_per_leaf(tx, streams):
     assert all(plan.opt[j].layout.shape == () for j in split.shared)  # counters only
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_streamed_step_orders_its_pieces_and_the_gradient_norm(stage):
+    """The lowered streamed step holds one optimization barrier per piece from the third on
+    (where its copy-in waits for piece k-2's write-backs and parameters) and one that
+    computes the gradient norm before the state streams in; the device step holds none of
+    them. (XLA:CPU drops the barriers when it compiles: the order they keep shows
+    on a GPU, as the device peak.)"""
+    barriers = []
+    for offload in (None, "optimizer"):
+        opt, step, _, state, _ = _run(stage, "adam", offload)
+        lowered = step.lower(state, awkward_batches(1)[0]).as_text()
+        barriers.append(lowered.count("stablehlo.optimization_barrier"))
+    pieces = len(split_update(TXS["adam"], state.plan).buckets)  # one per leaf, unchunked
+    assert pieces > 2
+    assert barriers[1] - barriers[0] == (pieces - 2) + 1
+
+
 def test_whole_tree_fallback_fp32_matches_single_device_optax():
     # fp32: no master weights, the parameters stay on the device; only the Optax state
     # is offloaded. clip-after-Adam runs as one bucket.
