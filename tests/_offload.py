@@ -2,6 +2,8 @@
 (elementwise, clipped, factored, and one whose update does not split per leaf), and the
 memory kinds a tree's leaves rest in."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,3 +53,28 @@ def assert_overflow_skipped_as_without_offload(make_opt, params, loss_fn, batche
     assert skipped == [[0, 1, 0], [0, 1, 0]]
     for got, want in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[0])):
         np.testing.assert_array_equal(got, want)
+
+
+HOST_BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+
+
+def offload_opt(stage: int, tx: str, offload, precision=HOST_BF16) -> jzero.ZeroOptimizer:
+    """``TXS[tx]`` at ``stage`` on every device, every leaf sharded, with ``offload``."""
+    return jzero.ZeroOptimizer(
+        TXS[tx], jzero.data_mesh(), stage=stage, min_shard_size=1, precision=precision,
+        offload=offload,
+    )  # fmt: skip
+
+
+@functools.cache
+def run_awkward(stage: int, tx: str, offload, precision=HOST_BF16, steps: int = 4):
+    """``steps`` steps of the awkward model: the optimizer, the last state, the losses."""
+    from _models import awkward_batches, awkward_loss, awkward_params
+
+    opt = offload_opt(stage, tx, offload, precision)
+    state, step = opt.init(awkward_params()), opt.train_step(awkward_loss)
+    losses = []
+    for batch in awkward_batches(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return opt, state, losses

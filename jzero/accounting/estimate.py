@@ -276,6 +276,7 @@ def estimate(
     offload: Offload = None,
     offload_chunk: int = OFFLOAD_CHUNK,
     offload_params: bool = False,
+    offload_ratio: float = 1.0,
     hpz: int | None = None,
 ) -> Estimate:
     """Memory per device of one ZeRO stage.
@@ -313,6 +314,10 @@ def estimate(
         offload_params: ``jzero.Offload(params=True)`` (stage 3): the parameter shards
             (and, in mixed precision with the optimizer on the device, the fp32 master
             weights) are in ``host_bytes``; the device keeps the gathered layers' shards.
+        offload_ratio: ``jzero.Offload(ratio=r)``: the share r of the optimizer state
+            (K·Ψ/N) in ``host_bytes``; the rest stays in ``optimizer_bytes`` (a streamed
+            mode's two pieces too: they may come from either side). Taken exactly here;
+            jzero splits by whole leaves.
         hpz: stage 3 with ``Communication(hpz=G)``: forward keeps each parameter gathered
             over groups of G devices for backward, ``secondary_bytes`` = Ψ·bytes/G (in
             the param dtype, divided by M). G must divide the data group.
@@ -334,10 +339,11 @@ def estimate(
     params_b, grads_b, optimizer_b = states
     host = 0.0
     mode = _check_offload(offload, offload_params, stage)
+    _check_ratio(offload_ratio, mode)
     if mode is not None:
-        host = optimizer_b
+        host, kept = offload_ratio * optimizer_b, (1 - offload_ratio) * optimizer_b
         piece = min(largest_layer_params, offload_chunk)
-        optimizer_b = 2 * k * piece / model_parallel / group if mode == "stream" else 0.0
+        optimizer_b = kept + (2 * k * piece / model_parallel / group if mode == "stream" else 0.0)
     if offload_params:
         layers = (2 if prefetch else 1) * largest_layer_params
         fraction = min(layers / params, 1.0) if params else 0.0
@@ -379,6 +385,17 @@ def _check_offload(offload: Any, offload_params: Any, stage: int) -> str | None:
             "every device); use stage=3, or offload_params=False."
         )
     return "stream" if offload == "optimizer" else offload
+
+
+def _check_ratio(ratio: Any, mode: str | None) -> None:
+    ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1
+    if not ok:
+        raise ValueError(f"offload_ratio must be a number in (0, 1], got {ratio!r}.")
+    if ratio != 1 and mode is None:
+        raise ValueError(
+            f"offload_ratio={ratio!r} is the share of an offloaded optimizer state, but "
+            "offload=None offloads none; pass offload='host' (or 'stream')."
+        )
 
 
 def stage_table(**kwargs: Any) -> tuple[Estimate, ...]:

@@ -2,9 +2,10 @@
 
 The ``state`` item is a flat dict ``{name: array}``; names are dotted key paths within
 groups: ``step``, ``weights.*`` (the fp32 master weights under mixed precision, else the
-parameters), ``opt_state.*``, ``model_state.*``, ``loss_scale.*``. Each array is stored as
-it was at rest (padded where partitioned); ``meta`` records its true shape, dtype and
-checksum.
+parameters), ``opt_state.*``, ``model_state.*``, ``loss_scale.*`` and, with
+``Offload(delay=1)``, ``pending.*`` (the gradient the next delayed step applies). Each
+array is stored as it was at rest (padded where partitioned); ``meta`` records its true
+shape, dtype and checksum.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def flatten(state: ZeroState) -> tuple[dict[str, jax.Array], dict[str, tuple[int
         ("model_state", state.model_state, None),
         ("loss_scale", state.loss_scale, None),
     ]
+    if plan.pending is not None:  # Offload(delay=1): the gradient the next step applies
+        groups.append(("pending", state.pending, [s.layout.shape for s in plan.pending] + [(), ()]))
     arrays, shapes = {"step": state.step}, {"step": ()}
     for group, tree, true in groups:
         leaves = jax.tree.leaves(tree)

@@ -3,6 +3,7 @@ then one jitted program that assembles the :class:`ZeroState`."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -12,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.axis_types import on_compute_mesh
 from ..core.options.precision import LossScale, Precision
-from ..core.plan import Plan, Stored, ZeroState
-from ..core.stored_form import state_shardings, store, view
+from ..core.plan import Pending, Plan, Stored, ZeroState
+from ..core.stored_form import no_pending, state_shardings, store, view
 from .format import array_target, leaf_key, weights_stored
 from .names import leaf_names, unflatten_names
 
@@ -44,9 +45,36 @@ def restore_targets(
     if dynamic_loss_scale and "loss_scale.scale" in stored:
         out["loss_scale.scale"] = (array_target((), jnp.float32, replicated), ())
         out["loss_scale.good_steps"] = (array_target((), jnp.int32, replicated), ())
+    out |= _pending_targets(plan, stored)
     for name in model_state_names(stored):
         shape = tuple(stored[name]["shape"])
         out[name] = (array_target(shape, stored[name]["dtype"], replicated), shape)
+    return out
+
+
+def _pending_targets(plan: Plan, stored: dict[str, Any]) -> dict[str, Any]:
+    """The held gradient of a delayed run (``Offload(delay=1)``), where both sides keep one.
+    Restored without a delay, it is left out, and so is the one step's gradient it holds
+    (warned); a checkpoint without one starts the delay afresh."""
+    if "pending.apply" not in stored:
+        return {}
+    if plan.pending is None:
+        warnings.warn(
+            "the checkpoint holds the gradient a delayed step had taken (Offload(delay=1)) "
+            "for the next step to apply; the restoring optimizer has no delay, so that one "
+            "step's gradient is not applied.",
+            stacklevel=4,
+        )
+        return {}
+    replicated = plan.sharding(P())
+    grads = jax.tree.unflatten(plan.params_def, plan.pending)
+    names = leaf_names(grads, is_leaf=lambda x: isinstance(x, Stored))
+    out = {
+        f"pending.grads.{n}": (array_target(s.shape, s.dtype, plan.sharding(s)), s.layout.shape)
+        for n, s in zip(names, plan.pending)
+    }
+    out["pending.denominator"] = (array_target((), jnp.float32, replicated), ())
+    out["pending.apply"] = (array_target((), jnp.bool_, replicated), ())
     return out
 
 
@@ -94,7 +122,13 @@ def assemble_state(
     else:
         rebuilt = unflatten_names(named) if named else None
 
-    def build(weights, opt_state, step, loss_scale):
+    pending = None
+    if plan.pending is not None and "pending.apply" in arrays:
+        held = [arrays[k] for k in targets if k.startswith("pending.grads.")]
+        grads = jax.tree.unflatten(plan.params_def, held)
+        pending = Pending(grads, arrays["pending.denominator"], arrays["pending.apply"])
+
+    def build(weights, opt_state, step, loss_scale, pending):
         w = view(weights, weights_stored(plan))
         return ZeroState(
             step=step,
@@ -104,8 +138,9 @@ def assemble_state(
             master=None if plan.master is None else store(w, plan.master),
             loss_scale=loss_scale,
             plan=plan,
+            pending=no_pending(plan) if pending is None else pending,
         )
 
     fn = jax.jit(on_compute_mesh(build, plan.mesh), out_shardings=state_shardings(plan, precision))
-    state = fn(weights, opt_state, arrays["step"], loss_scale)
+    state = fn(weights, opt_state, arrays["step"], loss_scale, pending)
     return state.replace(model_state=rebuilt)

@@ -13,7 +13,9 @@ same split as DeepSpeed's (16-bit gradients down, 16-bit parameters up, no optim
 on the accelerator); jzero's other mode, streaming the state through the accelerator
 (``Offload(optimizer="stream")``), has no DeepSpeed key. The numbers are those of the run
 without offload. ``sub_group_size`` bounds the streamed mode's chunks only: with the
-config's host step it changes nothing (noted).
+config's host step it changes nothing (noted). ``offload_optimizer.ratio`` (ZeRO-Offload++'s
+Twin-Flow) is ``Offload(ratio=...)``: that share of the state on the host, the rest updated
+on the device in the same step.
 
 ``offload_param`` with ``"device": "cpu"`` (stage 3 only, as in DeepSpeed) keeps stage 3's
 parameter shards, and their fp32 master weights, in pinned host memory (ZeRO-Infinity's
@@ -52,6 +54,19 @@ GATHERS = (
     "stage 3 gathers per layer by itself (in scans; jax.checkpoint'ed layers); for one "
     "layer of prefetch pass comm=Communication(prefetch=True)"
 )
+
+
+def share(value: Any) -> float:
+    """``offload_optimizer.ratio``: the share of the optimizer state offloaded, in (0, 1]."""
+    value = number(value)
+    if not 0 < value <= 1:
+        raise TypeError(
+            "a number in (0, 1] (the share of the optimizer state in host memory; to offload "
+            'none of it, set "device": "none")'
+        )
+    return value
+
+
 DEVICES = one_of("none", "cpu", "nvme")
 NOTHING_OFFLOADED = no_effect('nothing is offloaded ("device": "none")')
 NVME = (
@@ -67,9 +82,7 @@ PINNED = "jzero always keeps offloaded state in pinned (page-locked) host memory
 OFFLOAD_OPTIMIZER = {  # with "device": "cpu"; any other device: every key but it has no effect
     "device": Key(DEVICES, "none", refused=NVME, matches=("none", "cpu")),
     "pin_memory": Key(boolean, False, no_effect=PINNED, matches=(True,)),
-    "ratio": Key(
-        number, 1.0, no_effect="jzero offloads all of the optimizer state (ratio 1)", matches=(1.0,)
-    ),
+    "ratio": Key(share, 1.0),  # -> Offload(ratio=...): ZeRO-Offload++'s Twin-Flow
     **dict.fromkeys(("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"), NVME_ONLY),
     **dict.fromkeys(("fast_init", "pipeline_read", "pipeline_write"), NVME_ONLY),
 }
@@ -185,7 +198,7 @@ def _offload(zero: Section) -> Offload | None:
     """The :class:`Offload` that ``offload_optimizer`` (or ``cpu_offload``) and
     ``offload_param`` set with ``"device": "cpu"``; refuses NVMe, both optimizer spellings
     at once, optimizer offload at stage 0 and parameter offload below stage 3."""
-    optimizer = attempt(_offload_optimizer, zero)
+    optimizer, ratio = attempt(_offload_optimizer, zero) or (None, 1.0)
     param = zero.section("offload_param", _for_device(zero, "offload_param"))
     params = param["device"] == "cpu"
     if params and zero["stage"] != 3:
@@ -196,12 +209,13 @@ def _offload(zero: Section) -> Offload | None:
         )
     if optimizer is None and not params:
         return None
-    return Offload(optimizer=optimizer, params=params)
+    return Offload(optimizer=optimizer, params=params, ratio=ratio)
 
 
-def _offload_optimizer(zero: Section) -> Literal["host"] | None:
-    """``"host"`` (the update runs on the host, as DeepSpeed's CPU Adam) when
-    ``offload_optimizer`` (or ``cpu_offload``) offloads to the CPU."""
+def _offload_optimizer(zero: Section) -> tuple[Literal["host"], float] | None:
+    """``("host", ratio)`` (the update runs on the host, as DeepSpeed's CPU Adam, for the
+    ``ratio`` share of the state) when ``offload_optimizer`` (or ``cpu_offload``) offloads
+    to the CPU."""
     optimizer = zero.section("offload_optimizer", _for_device(zero, "offload_optimizer"))
     if "cpu_offload" in zero and "offload_optimizer" in zero:
         zero.refuse(
@@ -223,7 +237,7 @@ def _offload_optimizer(zero: Section) -> Literal["host"] | None:
             "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3.",
         )
     _note_sub_group_size(zero, offloaded=True)
-    return "host"
+    return "host", optimizer["ratio"] if key == "device" else 1.0  # cpu_offload: the whole
 
 
 def _for_device(zero: Section, key: str) -> Mapping[str, Key]:

@@ -19,7 +19,9 @@ layout for their moments.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+import warnings
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -33,7 +35,7 @@ from .axis_types import compute_mesh
 from .leaf_layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
 from .options.layout import Layout
-from .options.offload import HOST
+from .options.offload import HOST, Offload, offloaded_leaves
 from .options.step import StepOptions
 from .options.zero_config import ZeroConfig
 
@@ -143,6 +145,23 @@ class Plan:
         return tuple(s.layout for s in self.opt)
 
     @property
+    def pending(self) -> tuple[Stored, ...] | None:
+        """With ``Offload(delay=1)``: per parameter leaf, how the reduced gradient a step
+        holds for the next one rests (stored shards, the reduce dtype, host memory, as
+        ZeRO-Offload keeps gradients on the CPU); None otherwise."""
+        if not self.config.offload.delay:
+            return None
+        dtype = np.dtype(self.config.precision.reduce_dtype)
+        return tuple(dataclasses.replace(s, dtype=dtype, memory_kind=HOST) for s in self.opt_like)
+
+    @property
+    def opt_like(self) -> tuple[Stored, ...]:
+        """Per parameter leaf, its layout as the optimizer state stores it (partitioned from
+        stage 1), in the parameters' dtype, on the device."""
+        partitioned = self.config.partitions_opt_state
+        return tuple(Stored(s.layout, partitioned, s.dtype) for s in self.params)
+
+    @property
     def offloads_params(self) -> bool:
         """Whether any of stage 3's parameter shards rests in host memory (``HOST``)."""
         return any(s.memory_kind == HOST for s in self.params)
@@ -224,7 +243,8 @@ def make_plan(
     mesh's other axes, shaped like ``params``. Parameters are stored in the precision's
     ``param_dtype``; with a 16-bit one the fp32 master weights are laid out like the
     optimizer state. With ``offload.optimizer`` the optimizer state and master weights are
-    stored in host memory (memory kind ``HOST``); the parameters stay on the device.
+    stored in host memory (memory kind ``HOST``), those of ``offload.ratio``'s share of the
+    parameter leaves; the parameters stay on the device.
     """
     stage, offload = config.stage, config.offload
     n = 1 if stage == 0 else mesh.shape[DATA]
@@ -239,24 +259,55 @@ def make_plan(
     param_dtype = np.dtype(config.precision.param_dtype)
     floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
     stored_dtype = lambda x: param_dtype if floating(x) else np.dtype(x.dtype)
-    kind = HOST if offload.optimizer is not None else None
+    on_host = _offloaded(offload, [math.prod(lay.shape) for lay in p_lays], owners)
+    kind = lambda i: HOST if on_host[i] else None  # i: parameter leaf, -1 none (e.g. a count)
     params_stored = tuple(
         Stored(lay, stage == 3, stored_dtype(x)) for lay, x in zip(p_lays, p_leaves)
     )
+    o_kinds = [kind(k) for k in (owners or [-1] * len(o_leaves))]
     opt_stored = tuple(
-        Stored(lay, stage >= 1, np.dtype(x.dtype), kind) for lay, x in zip(o_lays, o_leaves)
+        Stored(lay, stage >= 1, np.dtype(x.dtype), k)
+        for lay, x, k in zip(o_lays, o_leaves, o_kinds)
     )
     master = None
     if config.precision.mixed:
         master = tuple(
-            Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind)
-            for lay, x in zip(p_lays, p_leaves)
+            Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind(i))
+            for i, (lay, x) in enumerate(zip(p_lays, p_leaves))
         )
     # The layout is recorded in the leaves (each Stored's spec), however it was spelled;
     # each step brings its own options.
     laid_out = dataclasses.replace(config, layout=Layout(), step=StepOptions())
     plan = Plan(mesh, laid_out, p_def, params_stored, o_def, opt_stored, master)
     return params_offloaded(plan) if offload.params else plan
+
+
+COARSE_SPLIT = 0.1  # |share offloaded - Offload.ratio| above which the split is warned
+
+
+def _offloaded(offload: Offload, sizes: list[int], owners: list[int] | None) -> dict[int, bool]:
+    """Per parameter leaf (and -1: the Optax state no parameter owns, e.g. a count), whether
+    its optimizer state and master weights rest in host memory (``Offload.ratio``'s share
+    of the leaves; every one at ratio 1)."""
+    if offload.optimizer is None:
+        return dict.fromkeys(range(-1, len(sizes)), False)
+    if offload.ratio != 1 and owners is None:
+        raise ValueError(
+            f"{offload} offloads the state of some parameters only, but Optax cannot say "
+            "which parameter each optimizer-state leaf belongs to (optax.tree_map_params "
+            "failed on this transformation); use ratio=1 (the whole state on the host)."
+        )
+    chosen = offloaded_leaves(sizes, offload.ratio)
+    share = sum(n for n, on in zip(sizes, chosen) if on) / max(sum(sizes), 1)
+    if abs(share - offload.ratio) > COARSE_SPLIT:
+        warnings.warn(
+            f"{offload} keeps the optimizer state of {share:.2f} of this model's parameters "
+            f"on the host, not {offload.ratio}: the split is by whole parameter leaves, and "
+            f"the largest holds {max(sizes) / max(sum(sizes), 1):.2f} of them. Pick a ratio "
+            "near a leaf boundary (opt.plan(params).describe() lists each leaf's memory).",
+            stacklevel=5,
+        )
+    return {-1: True, **dict(enumerate(chosen))}
 
 
 def params_offloaded(plan: Plan) -> Plan:
@@ -299,6 +350,15 @@ def param_owners(
     return owners if len(owners) == len(jax.tree.leaves(opt_state)) else None
 
 
+class Pending(NamedTuple):
+    """The gradient a delayed step holds for the next (``Offload(delay=1)``): ZeRO-Offload's
+    delayed parameter update applies it one step late."""
+
+    grads: Any  # per parameter leaf, as reduced: stored shards, reduce dtype, host memory
+    denominator: jax.Array  # f32 scalar the reduced sums are divided by
+    apply: jax.Array  # bool scalar: False until a delayed step has taken a gradient
+
+
 @struct.dataclass
 class ZeroState:
     """Parameters and optimizer state of a ZeRO-partitioned model.
@@ -318,6 +378,8 @@ class ZeroState:
         model_state: non-trainable model state (e.g. Flax ``batch_stats``), replicated over
             'data' and kept identical on every device; None when the model has none.
         plan: the static :class:`Plan`: where every leaf lives (not a pytree node).
+        pending: with ``Offload(delay=1)``, the :class:`Pending` gradient that the next
+            delayed step applies; None otherwise.
     """
 
     step: jax.Array
@@ -327,3 +389,4 @@ class ZeroState:
     master: Any
     loss_scale: Any
     plan: Plan = struct.field(pytree_node=False)
+    pending: Any = None

@@ -24,7 +24,7 @@ from .axis_types import is_auto, on_compute_mesh, typed
 from .input_checks import check_live
 from .leaf_layout import pad, unpad
 from .options.precision import LossScale, Precision
-from .plan import Plan, Stored, ZeroState
+from .plan import Pending, Plan, Stored, ZeroState
 
 
 def _map(fn: Callable[[jax.Array, Stored], jax.Array], tree: Any, stored: tuple[Stored, ...]):
@@ -91,6 +91,9 @@ def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
     loss_scale = None
     if precision.dynamic_loss_scale:
         loss_scale = LossScale(replicated, replicated)
+    pending = None
+    if plan.pending is not None:
+        pending = Pending(plan.shardings(plan.pending, plan.params_def), replicated, replicated)
     return ZeroState(
         step=replicated,
         params=plan.shardings(plan.params, plan.params_def),
@@ -99,7 +102,18 @@ def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
         master=master,
         loss_scale=loss_scale,
         plan=plan,
+        pending=pending,
     )
+
+
+def no_pending(plan: Plan) -> Pending | None:
+    """A delayed step's held gradient before any exists: zeros, not to be applied
+    (``Offload(delay=1)``; None without it). Inside a jitted program."""
+    if plan.pending is None:
+        return None
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in plan.pending]
+    grads = to_host(plan, jax.tree.unflatten(plan.params_def, zeros), plan.pending)
+    return Pending(grads, jnp.ones((), jnp.float32), jnp.zeros((), jnp.bool_))
 
 
 def typed_state(state: ZeroState) -> ZeroState:
@@ -120,6 +134,17 @@ def typed_state(state: ZeroState) -> ZeroState:
         model_state=replicated(state.model_state),
         master=master,
         loss_scale=replicated(state.loss_scale),
+        pending=_typed_pending(plan, state.pending),
+    )
+
+
+def _typed_pending(plan: Plan, pending: Pending | None) -> Pending | None:
+    if pending is None:
+        return None
+    replicated = plan.sharding(P())
+    return Pending(
+        typed(pending.grads, plan.shardings(plan.pending, plan.params_def)),
+        *typed((pending.denominator, pending.apply), (replicated, replicated)),
     )
 
 
@@ -142,6 +167,7 @@ def init_program(
             master=None if plan.master is None else store(p, plan.master),
             loss_scale=LossScale.create(precision) if precision.dynamic_loss_scale else None,
             plan=plan,
+            pending=no_pending(plan),
         )
 
     return jax.jit(on_compute_mesh(init, plan.mesh), out_shardings=state_shardings(plan, precision))

@@ -33,10 +33,11 @@ from .local_grads import local_grads
 from .memory_kinds import check_state_offload
 from .options.communication import Communication
 from .options.zero_config import ZeroConfig
-from .plan import Plan, ZeroState
-from .stored_form import constrain, store, typed_state
+from .plan import Pending, Plan, ZeroState
+from .step_count import StepCount
+from .stored_form import constrain, store, to_device, to_host, typed_state
 from .updaters import Updater, make_updater
-from .weighted import CountWatch, Weighted, counted, divisor, skip_uncounted
+from .weighted import CountWatch, Weighted, check_delayable, counted, divisor, skip_uncounted
 
 Metrics = dict[str, Any]
 
@@ -55,10 +56,19 @@ class TrainStep:
     report reads hpZ's groups from it).
     """
 
-    def __init__(self, jitted: Any, *, config: ZeroConfig, mesh: Mesh, agreement: Agreement):
-        self._jitted, self.config = jitted, config
+    def __init__(
+        self,
+        jitted: Any,
+        *,
+        config: ZeroConfig,
+        mesh: Mesh,
+        agreement: Agreement,
+        delayed: Any = None,
+    ):
+        self._jitted, self._delayed, self.config = jitted, delayed, config
         self._mesh, self._agreement = mesh, agreement
         self._counts = CountWatch()  # raises for an earlier step's invalid Weighted count
+        self._steps = StepCount()  # Offload(delay=1): which program takes the next step
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         # First, so that the checks below fail alike on every process (multi-process runs:
@@ -68,13 +78,24 @@ class TrainStep:
         check_global_batch(batch)
         check_batch_sharding(batch, self._mesh)
         self._counts.check()
-        state, metrics = self._jitted(state, batch)
+        step = self._program(state)
+        state, metrics = step(state, batch)
+        self._steps.taken(state)
         self._counts.watch(metrics)
         return state, metrics
 
     def lower(self, state: ZeroState, batch: Any) -> Any:
+        """The lowering of the program that would take ``state`` 's next step (with
+        ``Offload(delay=1)``: the exact one for its first ``exact_steps``, then the delayed
+        one)."""
         check_live(state)
-        return self._jitted.lower(state, batch)
+        return self._program(state).lower(state, batch)
+
+    def _program(self, state: ZeroState) -> Any:
+        if self._delayed is None:
+            return self._jitted
+        exact = self.config.offload.exact_steps
+        return self._delayed if exact == 0 or self._steps.of(state) >= exact else self._jitted
 
     @property
     def comm(self) -> Communication:
@@ -122,9 +143,24 @@ def make_train_step(
         loss, grads, ok = _global_view(state.plan, loss, grads, scale, options.grad_accum)
         return _apply(update, state, (loss, grads, model_state, aux), scale, ok, config)
 
+    def delayed_step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        check_state(state, config, mesh=mesh, tx=tx)
+        check_state_offload(state, config.offload)
+        check_batch(batch, state.plan.dp_size, options.grad_accum)
+        body = local_grads(state.plan, loss_fn, options, gatherer, reducer, aliases=aliases)
+        scale = jnp.float32(1)  # no dynamic loss scaling with a delay (Offload.check_precision)
+        loss, grads, model_state, aux = _sharded(body, state, scale, batch, aliases)
+        loss, grads, ok = _global_view(state.plan, loss, grads, scale, options.grad_accum)
+        check_delayable(ok)
+        return _delayed(update, state, (loss, grads, model_state, aux), config)
+
     agreement = Agreement(config, mesh)
-    jitted = jax.jit(_on_mesh(step, mesh), donate_argnums=0 if options.donate else ())
-    return TrainStep(jitted, config=config, mesh=mesh, agreement=agreement)
+    donate = 0 if options.donate else ()
+    jitted = jax.jit(_on_mesh(step, mesh), donate_argnums=donate)
+    delayed = None
+    if config.offload.delay:
+        delayed = jax.jit(_on_mesh(delayed_step, mesh), donate_argnums=donate)
+    return TrainStep(jitted, config=config, mesh=mesh, agreement=agreement, delayed=delayed)
 
 
 def _sharded(body: Callable, state: ZeroState, scale: jax.Array, batch: Any, aliases) -> tuple:
@@ -194,6 +230,36 @@ def _apply(update, state, outputs, scale, ok, config) -> tuple[ZeroState, Metric
     if ok is not None:
         new_state, metrics = skip_uncounted(ok, count, state, new_state, metrics)
     return new_state, metrics
+
+
+def _delayed(update, state, outputs, config) -> tuple[ZeroState, Metrics]:
+    """ZeRO-Offload's delayed parameter update: the update applies the gradient the state
+    holds (the previous step's; none before the first delayed step has taken one) and this
+    step's gradient is held, in host memory, for the next. The update reads nothing this
+    step computes, so the host may update while the device runs forward and backward."""
+    loss, grads, model_state, aux = outputs
+    plan, pending = state.plan, state.pending
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads.averaged)}
+    if config.step.has_aux:
+        metrics["aux"] = aux
+    new_state = _update(update, state, _held(plan, pending), pending.apply)
+    held = to_host(plan, grads.reduced, plan.pending)
+    pending = Pending(held, grads.denominator, jnp.ones((), jnp.bool_))
+    new_state = new_state.replace(step=state.step + 1, model_state=model_state, pending=pending)
+    return new_state, metrics
+
+
+def _held(plan: Plan, pending: Pending) -> Gradients:
+    """The held gradient in the forms the updaters read: as reduced (host memory) and
+    averaged (on the device; only where the update's global part or a device bucket
+    reads it)."""
+    on_device = to_device(plan, pending.grads, plan.pending)
+    averaged = jax.tree.map(
+        lambda g, lay: unpad(g.astype(jnp.float32) / pending.denominator, lay),
+        on_device,
+        plan.params_tree(),
+    )
+    return Gradients(pending.grads, pending.denominator, averaged)
 
 
 def _on_mesh(step: Callable, mesh: Mesh) -> Callable:

@@ -141,3 +141,15 @@ def _uncounted_message(call: int, value: float) -> str:
         "its parameters, optimizer state and model state are those from before it, so "
         "nothing was lost. Fix loss_fn's count=..., then go on with the state you hold."
     )
+
+
+def check_delayable(ok: jax.Array | None) -> None:
+    """Refuses a :class:`Weighted` loss under ``Offload(delay=1)`` (when the step is traced):
+    its invalid counts skip the step they occur in, which a delayed update has already
+    half taken."""
+    if ok is not None:
+        raise ValueError(
+            "loss_fn returns a jzero.Weighted loss, whose invalid counts skip the step they "
+            "occur in, but Offload(delay=1) applies each gradient one step later; return the "
+            "mean loss, or use delay=0 (or exact_steps larger than the run)."
+        )

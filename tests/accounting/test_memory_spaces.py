@@ -8,6 +8,7 @@ takes from the device's peak at least what it keeps in host memory.
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -178,3 +179,45 @@ def test_parameter_offload_takes_the_parameter_shards_off_too():
     moved = params.params_bytes_by_memory_kind["pinned_host"]
     saved = host.peak_bytes_by_space["device"] - params.peak_bytes_by_space["device"]
     assert moved > 0 and saved >= moved
+
+
+LAYERS, WIDTH = 8, 128
+
+
+def _unrolled_params() -> dict:
+    """Eight equal weights, so that a ratio's share of the leaves is exact."""
+    keys = jax.random.split(jax.random.key(0), LAYERS)
+    return {f"l{i}": jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5 for i, k in enumerate(keys)}
+
+
+def _unrolled_loss(params, batch):
+    x_BxD = batch["x"]
+    for i in range(LAYERS):
+        x_BxD = jnp.tanh(x_BxD @ params[f"l{i}"])
+    return jnp.mean((x_BxD - batch["y"]) ** 2)
+
+
+@functools.cache
+def _device_peak(stage: int, mixed: bool, ratio: float | None) -> int:
+    offload = None if ratio is None else jzero.Offload(optimizer="host", ratio=ratio)
+    opt = jzero.ZeroOptimizer(
+        optax.adamw(1e-3), jzero.data_mesh(), stage=stage, offload=offload,
+        precision=BF16 if mixed else None,
+    )  # fmt: skip
+    batch = {"x": jnp.ones((16, WIDTH)), "y": jnp.zeros((16, WIDTH))}
+    rep = jzero.report(opt.train_step(_unrolled_loss), opt.init(_unrolled_params()), batch)
+    return rep.peak_bytes_by_space["device"]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_partial_host_step_moves_the_device_peak_linearly_in_its_ratio(stage, mixed):
+    """``Offload(optimizer="host", ratio=r)``: the device's peak lies between no offload's
+    and the whole offload's, and what it saves is r x the whole offload's saving, within 10 %
+    of that saving (measured: exact but for stage 2 at fp32, 5 % under)."""
+    none, whole = _device_peak(stage, mixed, None), _device_peak(stage, mixed, 1.0)
+    assert whole < none
+    for ratio in (0.25, 0.5, 0.75):
+        peak = _device_peak(stage, mixed, ratio)
+        assert whole < peak < none
+        assert abs((none - peak) - ratio * (none - whole)) <= 0.1 * (none - whole)

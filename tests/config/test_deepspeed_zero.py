@@ -73,7 +73,7 @@ def test_offload_knobs_are_warned_with_why():
                 },
             }
         )
-    assert ds.offload == OFFLOAD
+    assert ds.offload == jzero.Offload(optimizer="host", ratio=0.5)  # Twin-Flow's share
     (warning,) = record
     at = "zero_optimization.offload_optimizer"
     nvme = "it configures NVMe offload; jzero offloads to host memory only"
@@ -87,8 +87,34 @@ def test_offload_knobs_are_warned_with_why():
         "memory",
         f"  {at}.buffer_count: {nvme}",
         f"  {at}.fast_init: {nvme}",
-        f"  {at}.ratio: jzero offloads all of the optimizer state (ratio 1)",
     }
+
+
+@pytest.mark.parametrize("ratio", [0.25, 1])
+def test_offload_optimizer_ratio_is_offloads_ratio(ratio):
+    """ZeRO-Offload++'s Twin-Flow share: that much of the state on the host, the rest
+    updated on the device."""
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": ratio}}
+    ds = load({"zero_optimization": zero})
+    assert ds.offload == jzero.Offload(optimizer="host", ratio=ratio)
+    opt = ds.optimizer(jzero.data_mesh(), tx=optax.adam(0.1))
+    state = opt.init({f"w{i}": jnp.ones((8, 8)) for i in range(4)})
+    on_host = [
+        x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state.opt_state[0].mu)
+    ]
+    assert on_host == [True] * round(4 * ratio) + [False] * (4 - round(4 * ratio))
+
+
+@pytest.mark.parametrize("ratio", [0, 1.5, -1])
+def test_an_offload_ratio_outside_zero_to_one_is_refused_with_the_fix(ratio):
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": ratio}}
+    with pytest.raises(jzero.config.DeepSpeedConfigError) as info:
+        jzero.from_deepspeed_config({"zero_optimization": zero})
+    assert (
+        f"zero_optimization.offload_optimizer.ratio must be a number in (0, 1] (the share of "
+        f'the optimizer state in host memory; to offload none of it, set "device": "none"), '
+        f"got {ratio!r}."
+    ) in str(info.value)
 
 
 def test_offload_keys_without_a_cpu_device_are_warned_as_unused():

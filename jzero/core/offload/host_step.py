@@ -55,6 +55,7 @@ from ...internal.interpret import value as read
 from ...internal.moved import InternalMoved
 from ..grad_reduction import Gradients
 from ..leaf_layout import unpad
+from ..options.offload import HOST
 from ..options.precision import Precision
 from ..plan import Plan, Stored
 from ..stored_form import store, to_device, to_host, view
@@ -92,26 +93,79 @@ def host_update(
     reduced = jax.tree.leaves(grads.reduced)
     common = _down((grads.denominator, finite))
     for b in split.buckets:
+        if not _on_host(plan, b):  # Offload.ratio: this leaf's state rests on the device
+            outs = _device_bucket(split, b, plan, precision, env, (o, w), finite)
+            _collect(plan, b, outs, (new_o, new_p, new_w))
+            continue
         free = _free(split, b, plan)
         ins = (
             _down([reduced[i] for i in b.params]),
-            [o[j] for j in b.opt],
+            [_to_host(o[j]) for j in b.opt],  # a copy only for one on the device
             _down([w[i] for i in b.params]),
             _down([env[v] for v in free]),
         )
         outs = _bucket_program(split, b, plan, precision, free, finite is not None)(*ins, *common)
-        for j, x in zip(b.opt, outs[0]):
-            new_o[j] = _at_rest(plan, x, plan.opt[j])
-        for i, x in zip(b.params, outs[1]):
-            new_w[i] = _at_rest(plan, x, plan.master[i])
-        for i, x in zip(b.params, outs[2]):
-            new_p[i] = jax.device_put(x, jax.memory.Space.Device)
+        _collect(plan, b, outs, (new_o, new_p, new_w))
     master = None if plan.master is None else jax.tree.unflatten(plan.params_def, new_w)
     return (
         jax.tree.unflatten(plan.params_def, new_p),
         jax.tree.unflatten(plan.opt_def, new_o),
         master,
     )
+
+
+def _collect(plan: Plan, b: Bucket, outs: tuple, new: tuple[list, list, list]) -> None:
+    """A bucket's ``(state, master, params)`` written into the step's new leaves: state and
+    master at rest where the plan stores them, parameters on the device."""
+    new_o, new_p, new_w = new
+    for j, x in zip(b.opt, outs[0]):
+        new_o[j] = _at_rest(plan, x, plan.opt[j])
+    for i, x in zip(b.params, outs[1]):
+        new_w[i] = _at_rest(plan, x, plan.master[i])
+    for i, x in zip(b.params, outs[2]):
+        new_p[i] = jax.device_put(x, jax.memory.Space.Device)
+
+
+def _on_host(plan: Plan, b: Bucket) -> bool:
+    """Whether bucket ``b`` runs on the host: some of its state or master weights rest
+    there. A bucket with neither (e.g. plain SGD at fp32) runs there only when the whole
+    state is offloaded (``Offload.ratio`` 1), as it did before ratios."""
+    held = [plan.opt[j] for j in b.opt] + [plan.master[i] for i in b.params if plan.master]
+    if not held:
+        return plan.config.offload.ratio == 1
+    return any(s.memory_kind == HOST for s in held)
+
+
+def _device_bucket(split, b, plan, precision, env, sources, finite) -> tuple[list, list, list]:
+    """Bucket ``b`` evaluated on the device, beside the host buckets (its state and master
+    weights rest there, ``Offload.ratio`` < 1): ``(state, master, params)`` as the host
+    program returns them, from the averaged gradients already in ``env``."""
+    (o, w), ins = sources, inputs(split.jaxpr)
+    n, m, weights = len(plan.params), len(plan.opt), plan.master or plan.params
+    keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
+    for j in b.opt:
+        env[ins[n + j]] = view([o[j]], [plan.opt[j]])[0]
+    for i in b.params:
+        env[ins[n + m + i]] = view(to_device(plan, [w[i]], [weights[i]]), [weights[i]])[0]
+    evaluate(split, b.equations, env)
+    return _results(split, b, plan, precision, env, keep)
+
+
+def _results(split: Split, b: Bucket, plan: Plan, precision: Precision, env: dict, keep) -> tuple:
+    """A bucket's evaluated values as ``(stored state, stored master, params)``: the new
+    state and weights where ``keep`` takes them (else the old), the parameters cast."""
+    ins, outs, n, m = inputs(split.jaxpr), outputs(split.jaxpr), len(plan.params), len(plan.opt)
+    new_opt = [
+        store([keep(read(env, outs[n + j]), env[ins[n + j]])], [plan.opt[j]])[0] for j in b.opt
+    ]
+    new_master, new_params = [], []
+    for i in b.params:
+        old = env[ins[n + m + i]]
+        new = keep(optax.apply_updates(old, read(env, outs[i])), old)
+        if plan.master is not None:
+            new_master.append(store([new], [plan.master[i]])[0])
+        new_params.append(precision.cast(new))
+    return new_opt, new_master, new_params
 
 
 def _global_part(
@@ -138,9 +192,12 @@ def _down(xs: Any) -> Any:
 
 
 def _at_rest(plan: Plan, x: jax.Array, stored: Stored) -> jax.Array:
-    """A host bucket's output ``x`` with its planned sharding, in host memory."""
+    """A bucket's output ``x`` with its planned sharding, in the memory the plan stores it in
+    (host memory; the device for a leaf ``Offload.ratio`` leaves there)."""
     sharding = plan.compute_sharding(stored)  # the constraint fixes the layout, the
-    return jax.device_put(jax.lax.with_sharding_constraint(x, sharding), sharding)  # put: memory
+    if stored.memory_kind is None:  # put: the memory
+        sharding = sharding.with_memory_kind("device")
+    return jax.device_put(jax.lax.with_sharding_constraint(x, sharding), sharding)
 
 
 def _free(split: Split, bucket: Bucket, plan: Plan) -> list[Any]:
@@ -192,8 +249,7 @@ def _bucket_program(
 ) -> Any:
     """The jitted host computation of one bucket: ``(reduced grads, stored state, stored
     weights, free values, denominator, finite) -> (stored state, stored master, params)``."""
-    ins, outs = inputs(split.jaxpr), outputs(split.jaxpr)
-    n, m = len(plan.params), len(plan.opt)
+    ins, n, m = inputs(split.jaxpr), len(plan.params), len(plan.opt)
     weights: tuple[Stored, ...] = plan.master or plan.params
 
     def update(reduced, opt, w, values, denominator, finite):
@@ -206,17 +262,6 @@ def _bucket_program(
         for i, x in zip(bucket.params, w):
             env[ins[n + m + i]] = view([x], [weights[i]])[0]
         interpret.evaluate(split.jaxpr, env, _OnHost(), bucket.equations)
-        new_opt = []
-        for j in bucket.opt:
-            new = keep(read(env, outs[n + j]), env[ins[n + j]])
-            new_opt.append(store([new], [plan.opt[j]])[0])
-        new_master, new_params = [], []
-        for i in bucket.params:
-            old = env[ins[n + m + i]]
-            new = keep(optax.apply_updates(old, read(env, outs[i])), old)
-            if plan.master is not None:
-                new_master.append(store([new], [plan.master[i]])[0])
-            new_params.append(precision.cast(new))
-        return new_opt, new_master, new_params
+        return _results(split, bucket, plan, precision, env, keep)
 
     return on_host(jax.jit(update, donate_argnums=(1,)))

@@ -21,6 +21,8 @@ HOST = "pinned_host"
 DEFAULT_OFFLOAD_CHUNK = 2**24
 """Elements per chunk an offloaded elementwise update streams through the device."""
 OPTIMIZER_MODES = (None, "stream", "host")
+DEFAULT_EXACT_STEPS = 40
+"""Exact steps before ``Offload(delay=1)`` 's delayed update starts, unless given."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +45,26 @@ class Offload:
             elementwise update (Adam, AdamW, SGD, a global-norm clip) of a larger leaf runs
             on chunks of it, cut along an axis no mesh axis shards
             (:mod:`jzero.core.offload.chunks`). None: ``2**24``.
+        ratio: the share of the optimizer state that rests in host memory (DeepSpeed's
+            ``offload_optimizer.ratio``, ZeRO-Offload++'s Twin-Flow), in (0, 1]: the
+            parameter leaves, in the order of the flattened tree, whose running total of
+            elements is nearest ``ratio`` of all have their Optax state and master weights
+            on the host (updated there, or streamed); every other leaf's stay on the device
+            and are updated there, in the same step. The split is by whole leaves
+            (:func:`offloaded_leaves`), so a model of few large leaves gets a coarse one
+            (``opt.plan(params).describe()`` shows where each leaf rests). 1 (default):
+            everything. Needs ``optimizer``.
+        delay: 1: ZeRO-Offload's delayed parameter update (DPU), with ``optimizer="host"``.
+            After ``exact_steps`` exact steps, each step applies the gradient of the step
+            before it, so the host's update does not wait for this step's backward pass
+            and may run while the device computes it: step k's parameters are step k-1's
+            updated with the gradient taken at step k-2's. The first delayed step applies
+            no update (there is no earlier gradient yet); the gradient held between steps
+            is part of the state (``ZeroState.pending``, in host memory) and of its
+            checkpoints. 0 (default): every step exact.
+        exact_steps: with ``delay=1``, how many steps run exactly before the delay starts
+            (the ZeRO-Offload paper turns it on only after the early iterations, when the
+            gradients change fastest).
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=2, offload=jzero.Offload(optimizer="host"))
@@ -51,6 +73,9 @@ class Offload:
     optimizer: Literal["stream", "host"] | None = None
     params: bool = False
     chunk: int | None = None
+    ratio: float = 1.0
+    delay: int = 0
+    exact_steps: int = DEFAULT_EXACT_STEPS
 
     def __post_init__(self):
         if not (self.optimizer is None or isinstance(self.optimizer, str)) or (
@@ -64,6 +89,16 @@ class Offload:
         if not isinstance(self.params, bool):
             raise TypeError(f"Offload.params must be True or False, got {self.params!r}.")
         _check_chunk(self.chunk, self.optimizer)
+        _check_ratio(self.ratio, self.optimizer)
+        _check_delay(self.delay, self.exact_steps, self.optimizer)
+
+    def __repr__(self) -> str:  # as a user writes it: the fields that differ from defaults
+        given = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return f"Offload({', '.join(given)})"
 
     @property
     def stream_chunk(self) -> int | None:
@@ -92,6 +127,16 @@ class Offload:
                 "leave params=False."
             )
 
+    def check_precision(self, precision: Any) -> None:
+        """Raises where the delayed update cannot keep ``precision``'s promises."""
+        if self.delay and precision.dynamic_loss_scale:
+            raise ValueError(
+                "Offload(delay=1) applies each gradient one step late, but dynamic loss "
+                "scaling (fp16 parameters) decides per step whether to apply one, which "
+                "jzero does not carry across the delay; use bf16 or fp32 parameters "
+                "(Precision(param_dtype=jnp.bfloat16)), or delay=0."
+            )
+
     def check_backend(self, mesh: jax.sharding.Mesh) -> None:
         """Raises where the mesh's backend (or this JAX) cannot do what is asked (when the
         optimizer is built, before anything is traced)."""
@@ -115,6 +160,58 @@ def _check_chunk(chunk: Any, optimizer: str | None) -> None:
             f"device, which only optimizer='stream' does (optimizer={optimizer!r}); pass "
             "optimizer='stream', or leave chunk out."
         )
+
+
+def _check_ratio(ratio: Any, optimizer: str | None) -> None:
+    ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+    if not ok or not 0 < ratio <= 1:
+        raise ValueError(
+            f"Offload.ratio must be a number in (0, 1], the share of the optimizer state in "
+            f"host memory, got {ratio!r}; e.g. Offload(optimizer='host', ratio=0.5)."
+        )
+    if ratio != 1 and optimizer is None:
+        raise ValueError(
+            f"Offload(ratio={ratio!r}) sets the share of the optimizer state in host memory, "
+            "but optimizer=None offloads none of it; pass optimizer='host' (or 'stream'), or "
+            "leave ratio out."
+        )
+
+
+def _check_delay(delay: Any, exact_steps: Any, optimizer: str | None) -> None:
+    if isinstance(delay, bool) or delay not in (0, 1):
+        raise ValueError(
+            f"Offload.delay must be 0 (every step exact) or 1 (ZeRO-Offload's delayed "
+            f"parameter update), got {delay!r}; e.g. Offload(optimizer='host', delay=1)."
+        )
+    if delay and optimizer != "host":
+        raise ValueError(
+            f"Offload(delay=1) overlaps the host's update with the device's next step, but "
+            f"optimizer={optimizer!r} does not update on the host; pass optimizer='host'."
+        )
+    if isinstance(exact_steps, bool) or not isinstance(exact_steps, int) or exact_steps < 0:
+        raise ValueError(
+            f"Offload.exact_steps must be an int >= 0 (steps run exactly before the delayed "
+            f"update starts), got {exact_steps!r}; e.g. Offload(optimizer='host', delay=1, "
+            "exact_steps=40)."
+        )
+    if exact_steps != DEFAULT_EXACT_STEPS and not delay:
+        raise ValueError(
+            f"Offload(exact_steps={exact_steps!r}) says when the delayed update starts, but "
+            "delay=0 delays nothing; pass delay=1, or leave exact_steps out."
+        )
+
+
+def offloaded_leaves(sizes: list[int], ratio: float) -> list[bool]:
+    """Which of the parameter leaves of ``sizes`` elements (in tree order) have their
+    optimizer state offloaded at ``ratio``: the prefix whose total is nearest ``ratio`` of
+    all (a leaf goes to the host when the running total at its middle is within the
+    share), so ratio 1 offloads every leaf and the host share is within half the largest
+    leaf of ``ratio``."""
+    total, before, chosen = sum(sizes), 0, []
+    for size in sizes:
+        chosen.append(ratio == 1 or before + size / 2 < ratio * total)
+        before += size
+    return chosen
 
 
 def _check_host_memory(mesh: jax.sharding.Mesh, offload: Offload) -> None:

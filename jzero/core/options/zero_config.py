@@ -82,6 +82,7 @@ class ZeroConfig:
                 )
         self.comm.check_stage(stage)
         self.offload.check_stage(stage)
+        self.offload.check_precision(self.precision)
         self.step.check_stage(stage)
 
     @property
