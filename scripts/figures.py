@@ -361,6 +361,69 @@ def main_job_md(mj: dict[str, Any] | None, figure: str | None) -> str:
     return "\n".join(text)
 
 
+def _gpu_offload(gpu: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The GPU check's offload runs at a fixed size (``offload_fixed``), if it measured any."""
+    parts = ((gpu or {}).get("pieces", {}).get("offload_fixed") or {}).get("parts") or {}
+    runs = {k: v for k, v in parts.items() if isinstance(v, dict) and "train" in v}
+    return runs if "none" in runs else None
+
+
+def offload_md(off: dict[str, Any] | None, gpu: dict[str, Any] | None) -> str:
+    """The offload benchmark (``benchmarks/offload_cpu8.json``): the host update's rate
+    against the triad, and each mode's step and peaks; then what the lent GPU measured
+    (``benchmarks/gpu_check.json``)."""
+    if off is None:
+        return "*No offload benchmark committed: `python scripts/offload_bench.py --json ...`.*"
+    tri, upd = off["triad"], off["host_update"]
+    ok = "meets" if upd["over_triad"] >= upd["target"] else "misses"
+    text = [
+        f"On {off['devices']} {off['platform']} devices ({off['cpu_threads']} threads, jax "
+        f"{off['jax']}): the host update of {upd['params']:,} AdamW parameters (bf16, fp32 "
+        f"master) moves {upd['bytes_per_s'] / 1e9:.1f} GB/s, {upd['over_triad']:.2f} x the "
+        f"{tri['threads']}-thread STREAM triad's {tri['threads_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"(one thread: {tri['one_thread_bytes_per_s'] / 1e9:.1f} GB/s); it {ok} the "
+        f"{upd['target']} x target. The same update on the device: "
+        f"{upd['device']['bytes_per_s'] / 1e9:.1f} GB/s.",
+        "",
+        f"{off['model']['name']} ({off['model']['params'] / 1e6:.2f}M params, stage 3, "
+        f"{off['model']['precision']}):",
+        "",
+    ]
+    none = next(r for r in off["modes"] if r["name"] == "none")
+    rows = [("mode", "step (ms)", "x none", "device peak (MB)", "host at rest (MB)",
+             "state on host")]  # fmt: skip
+    for r in off["modes"]:
+        rows.append((
+            f"`{r['name']}`", f"{r['step_ms_median']:.1f}",
+            f"{r['step_ms_median'] / none['step_ms_median']:.2f}",
+            f"{r['device_peak_bytes'] / 1e6:.3f}", f"{r['host_bytes_at_rest'] / 1e6:.3f}",
+            f"{r['host_share_of_state']:.2f}",
+        ))  # fmt: skip
+    return "\n".join(text) + "\n" + _md_table(rows) + "\n\n" + _gpu_offload_md(gpu)
+
+
+def _gpu_offload_md(gpu: dict[str, Any] | None) -> str:
+    runs = _gpu_offload(gpu)
+    if runs is None:
+        return "*No GPU has measured offload yet.*"
+    m, none = gpu["machine"], runs["none"]["train"]
+    first = min(r["ran_at"] for r in runs.values())[:10]
+    t = runs["none"]
+    text = (
+        f"On the lent {m['device_kind']} ({m['devices']} device, {m['cpu_count']} host "
+        f"cores, jax {m['jax']}, {first}), the {t['train']['params'] / 1e9:.2f} B GPT at "
+        f"{t['train']['tokens_per_step']:,} tokens per step, stage 3, fp32 AdamW:"
+    )
+    rows = [("mode", "step (ms)", "x none", "allocator peak (GB)", "host at rest (GB)")]
+    for name, r in runs.items():
+        rows.append((
+            f"`{name}`", f"{r['train']['step_ms_median']:,.0f}",
+            f"{r['train']['step_ms_median'] / none['step_ms_median']:.1f}",
+            f"{r['allocator_peak_bytes'] / 1e9:.2f}", f"{r['host_bytes_at_rest'] / 1e9:.2f}",
+        ))  # fmt: skip
+    return text + "\n\n" + _md_table(rows)
+
+
 # ----------------------------------------------------------------------------------- plots
 def _figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -466,6 +529,35 @@ def plot_memory_vs_devices(bench: dict[str, Any], path: Path, source: Path) -> N
 
 
 # ------------------------------------------------------------------------------------ main
+def plot_offload_time(off: dict[str, Any], path: Path, source: Path, gpu=None) -> None:
+    """Where each offload mode's step time goes: on CPU, the update (timed alone, where it
+    runs) and the rest of the step (``time_split``); on the lent GPU, no offload's step and
+    what each mode adds to it (copies and the host's update, not told apart)."""
+    split = off["time_split"]
+    runs = _gpu_offload(gpu)
+    fig = _figure(10.0, 3.6)
+    cpu, dev = fig.subplots(1, 2) if runs else (fig.subplots(1, 1), None)
+    names = list(split)
+    update = [split[n]["update_ms"] for n in names]
+    cpu.bar(names, update, label="update (timed alone, where it runs)")
+    rest = [max(split[n]["step_ms"] - u, 0.0) for n, u in zip(names, update)]
+    cpu.bar(names, rest, bottom=update, label="the rest: forward, backward, collectives")
+    cpu.set_title(f"{off['devices']} {off['platform']} devices: ms per step", fontsize=9)
+    cpu.tick_params(axis="x", labelrotation=45, labelsize=7)
+    if runs:
+        gnames = list(runs)
+        none = runs["none"]["train"]["step_ms_median"]
+        dev.bar(gnames, [none] * len(gnames), label="no offload's step")
+        extra = [runs[n]["train"]["step_ms_median"] - none for n in gnames]
+        dev.bar(gnames, extra, bottom=[none] * len(gnames), label="copies + host update")
+        dev.set_title(f"{gpu['machine']['device_kind']}: ms per step", fontsize=9)
+    for ax in (cpu, dev):
+        if ax is not None:
+            ax.legend(frameon=False, fontsize=7)
+            ax.grid(axis="y", alpha=0.3)
+    _save(fig, path, source)
+
+
 def _read(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -494,6 +586,9 @@ def generate(out: Path) -> list[Path]:
         "frozen_peer.md": frozen_peer_md(_read(BENCH / "frozen_peer_trials.json")),
         "autoconfig.md": autoconfig_md(_read(BENCH / "autoconfig_cpu8.json")),
         "main_job.md": main_job_md(_read(MAIN_JOB.with_suffix(".json")), main_job_png),
+        "offload.md": offload_md(
+            _read(BENCH / "offload_cpu8.json"), _read(BENCH / "gpu_check.json")
+        ),
     }
     written = []
     for name, text in texts.items():
@@ -508,6 +603,11 @@ def generate(out: Path) -> list[Path]:
     for plot, data, source, name in plots:
         plot(data, out / name, source)
         written.append(out / name)
+    off_path = BENCH / "offload_cpu8.json"
+    if off_path.exists():
+        plot_offload_time(_read(off_path), out / "offload_time.png", off_path,
+                          _read(BENCH / "gpu_check.json"))  # fmt: skip
+        written.append(out / "offload_time.png")
     return written
 
 

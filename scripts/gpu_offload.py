@@ -56,6 +56,10 @@ MODES = {
         Mode("streamed", lambda: "optimizer", False),
         Mode("host_step", lambda: jzero.Offload(optimizer="host"), True),
         Mode("host_step_params", lambda: jzero.Offload(optimizer="host", params=True), True),
+        Mode(
+            "host_delayed", lambda: jzero.Offload(optimizer="host", delay=1, exact_steps=0), True
+        ),  # fmt: skip
+        Mode("ratio_half", lambda: jzero.Offload(optimizer="host", ratio=0.5), True),
     )
 }
 PARTS = tuple(MODES)
@@ -284,7 +288,30 @@ def fixed_targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         found = [skip(n, host.get("skipped") or why) for n in names]
     else:
         found = _host_step_fixed(none, host, names)
-    return found + _streamed_fixed(none, parts.get("streamed") or {}) + _agreement(parts)
+    found += _streamed_fixed(none, parts.get("streamed") or {})
+    return found + _ratio_fixed(none, host, parts.get("ratio_half") or {}) + _agreement(parts)
+
+
+def _ratio_fixed(none: dict, host: dict, half: dict) -> list[dict[str, Any]]:
+    """``ratio_half``'s allocator peak and step time between no offload's and the host
+    step's (its share of the state on the host is what its whole leaves allow)."""
+    found = []
+    for name, key in (("peak", "allocator_peak_bytes"), ("time", "step_ms_median")):
+        title = f"offload fixed ratio_half {name} between the ends"
+        runs = (none, half, host)
+        if any("train" not in r for r in runs):
+            why = "skipped: needs offload_fixed:none, host_step and ratio_half"
+            found.append(skip(title, half.get("skipped") or why))
+            continue
+        low, mid, high = (r[key] if key in r else r["train"][key] for r in runs)
+        if None in (low, mid, high):
+            found.append(skip(title, "skipped: no allocator statistics (CPU)"))
+            continue
+        lo, hi = min(low, high), max(low, high)
+        where = (mid - lo) / (hi - lo) if hi > lo else 0.0
+        text = f"ratio_half {name} at {where:.3f} of the way from the lower end to the upper"
+        found.append(target(title, lo <= mid <= hi, text, measured=float(where), bound=[0, 1]))
+    return found
 
 
 def _host_step_fixed(none: dict, host: dict, names: tuple[str, str]) -> list[dict[str, Any]]:

@@ -8,3 +8,16 @@ REPO = TESTS.parent
 WORKERS = TESTS / "workers"
 EXAMPLES = REPO / "examples"
 VENDOR = TESTS / "vendor"
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (``examples/`` on ``sys.path``, as the
+    scripts put it themselves)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,21 +3,14 @@ run (``benchmarks/autoconfig_cpu8.json``) read back: every chosen step within it
 its recorded checks the ones its own numbers give, and the guide's table rendered from
 it. The timings themselves are the benchmark's, never asserted here."""
 
-import importlib.util
 import json
-import sys
 
-from _paths import REPO
+from _paths import REPO, load_script
 
 RUN = REPO / "benchmarks" / "autoconfig_cpu8.json"
 
 
-def _script(name):
-    sys.path.insert(0, str(REPO / "examples"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_script = load_script
 
 
 def _m(name, predicted, measured):

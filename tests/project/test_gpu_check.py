@@ -24,7 +24,7 @@ import gpu_check  # noqa: E402  (scripts/gpu_check.py)
 PARTS = {
     "offload": ["none", "streamed", "host_step", "host_step_params"],
     "mock8": ["overlap", "dp", "zero1", "zero2", "zero3"],
-    "offload_fixed": ["none", "host_step", "streamed"],
+    "offload_fixed": ["none", "host_step", "streamed", "host_delayed", "ratio_half"],
 }
 MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "host_memory_bytes"}
 
