@@ -6,7 +6,8 @@ else the parameters -- the 16-bit parameters are their cast, so nothing is lost)
 state, the step, the loss-scale state and the model state, each in the layout it had at
 rest (padded where it was partitioned). ``meta`` records, per array, its true shape, dtype
 and a checksum of its true region (:mod:`jzero.core.checksum`), plus the stage, mesh,
-precision and Optax state types it was written with and the caller's ``extra``.
+precision and Optax state types it was written with, the caller's ``extra``, and a checksum
+of itself: damaged metadata makes a corrupt checkpoint, never a "mismatch".
 
 Restoring lays every array out for the *restoring* optimizer's plan: Orbax reads each
 device's region straight from the files (``PyTreeRestore`` with ``strict=False`` truncates or
@@ -41,7 +42,16 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
 )
-from .format import FORMAT, VERSION, build_meta, flatten, state_types
+from .format import (
+    FORMAT,
+    META_CHECKSUM,
+    VERSION,
+    build_meta,
+    flatten,
+    meta_checksum,
+    meta_damage,
+    state_types,
+)
 from .match import check_match
 from .relayout import assemble_state, restore_targets
 
@@ -203,6 +213,7 @@ class Checkpointer:
         arrays, shapes = flatten(state)
         sums = checksums(list(arrays.values()), list(shapes.values()))
         meta = build_meta(state, step, shapes, arrays, sums) | {"extra": extra}
+        meta[META_CHECKSUM] = meta_checksum(meta)  # damage to the metadata is corruption too
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta))
         try:
             started = manager.save(step, args=args, force=True)
@@ -329,6 +340,8 @@ class Checkpointer:
                 f"checkpoint step {step} has format version {meta.get('version')}; this "
                 f"jzero reads version {VERSION}."
             )
+        if (damage := meta_damage(dict(meta))) is not None:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory}: {damage}.")
         return dict(meta)
 
     def read(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:

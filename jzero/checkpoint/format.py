@@ -5,11 +5,14 @@ groups: ``step``, ``weights.*`` (the fp32 master weights under mixed precision, 
 parameters), ``opt_state.*``, ``model_state.*``, ``loss_scale.*`` and, with
 ``Offload(delay=1)``, ``pending.*`` (the gradient the next delayed step applies). Each
 array is stored as it was at rest (padded where partitioned); ``meta`` records its true
-shape, dtype and checksum.
+shape, dtype and checksum, and ``meta_checksum`` the metadata's own (:func:`meta_checksum`;
+absent in checkpoints of older jzero, which are read unchecked).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -81,6 +84,34 @@ def build_meta(
             for (name, x), c in zip(arrays.items(), sums)
         },
     }
+
+
+META_CHECKSUM = "meta_checksum"
+"""The metadata's own checksum: sha256 of the rest of it as canonical JSON."""
+
+
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """The checksum of ``meta`` (all but its own checksum): sha256 of its canonical JSON
+    (sorted keys, no spaces), which a JSON round trip leaves unchanged."""
+    rest = {k: v for k, v in meta.items() if k != META_CHECKSUM}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def meta_damage(meta: dict[str, Any]) -> str | None:
+    """Why ``meta`` (as read back) is damaged: its checksum differs from its content's;
+    None when it agrees, or was written by a jzero that stored none (not checked)."""
+    stored = meta.get(META_CHECKSUM)
+    if stored is None:
+        return None
+    got = meta_checksum(meta)
+    if got == stored:
+        return None
+    return (
+        f"its metadata fails its checksum (stored {stored[:16]}..., computed {got[:16]}...): "
+        "the metadata file changed after it was written, so its shapes, dtypes and checksums "
+        "cannot be trusted"
+    )
 
 
 def state_types(treedef: Any) -> list[str]:

@@ -43,8 +43,13 @@ def check_match(
             f"optimizer's is ({', '.join(opt_state_types)})"
         )
     if problems:
+        intact = (
+            "it is intact, not corrupt"
+            if "meta_checksum" in meta
+            else "its metadata, from an older jzero, carries no checksum of its own"
+        )
         raise CheckpointMismatchError(
-            f"{where} does not match what it is restored into (it is intact, not corrupt): "
+            f"{where} does not match what it is restored into ({intact}): "
             + "; ".join(problems)
             + ". Restore into the parameter tree and Optax transformation the run saved "
             "(true shapes and dtypes must agree; stage, device count and precision may "

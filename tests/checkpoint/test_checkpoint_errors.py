@@ -6,11 +6,14 @@ in a subprocess with a hard timeout."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
+import _models
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -289,3 +292,58 @@ def test_reading_a_missing_directory_creates_nothing(tmp_path):
     ckpt.save(1, opt.init(awkward_params()))  # the first save creates it
     ckpt.close()
     assert Checkpointer(missing).all_steps() == [1]
+
+
+def _edit_meta(directory, step, edit) -> None:
+    """Rewrites checkpoint ``step``'s metadata JSON through ``edit(meta)``, arrays untouched."""
+    path = directory / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _two_steps(directory):
+    opt, params = make_opt(), awkward_params()
+    state = opt.init(params)
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(1, state)
+        state, _ = opt.train_step(_models.awkward_loss)(state, _models.awkward_batches(1)[0])
+        ckpt.save(2, state)
+    return opt, params
+
+
+def _shape_edited(meta):
+    meta["leaves"]["weights.emb"]["shape"] = [41, 13]  # every array and checksum as saved
+
+
+def test_damaged_metadata_is_a_corrupt_step_the_previous_one_restored(tmp_path, caplog):
+    opt, params = _two_steps(tmp_path)
+    _edit_meta(tmp_path, 2, _shape_edited)
+    ckpt = Checkpointer(tmp_path)
+    damaged = r"checkpoint step 2 in .*: its metadata fails its checksum \(stored "
+    with caplog.at_level(logging.WARNING, logger="jzero"):
+        got = ckpt.restore(opt, params)  # step=None: the newest intact step
+    assert got.step == 1 and [s for s, _ in got.skipped] == [2]
+    assert re.search(damaged, got.skipped[0][1])
+    assert re.search(r"skipping step 2: " + damaged, caplog.text)
+    with pytest.raises(CheckpointError, match=damaged) as e:
+        ckpt.restore(opt, params, step=2)  # named: the corrupt-step error
+    assert not isinstance(e.value, CheckpointMismatchError)
+    assert "intact" not in str(e.value)
+
+
+def test_a_real_mismatch_beside_protected_metadata_is_still_a_mismatch(tmp_path):
+    _, params = _two_steps(tmp_path)
+    momentum = make_opt(optax.sgd(0.1, momentum=0.9))
+    with pytest.raises(CheckpointMismatchError, match=r"it is intact, not corrupt"):
+        Checkpointer(tmp_path).restore(momentum, params)
+
+
+def test_metadata_of_older_jzero_without_its_checksum_still_restores(tmp_path):
+    opt, params = _two_steps(tmp_path)
+    _edit_meta(tmp_path, 2, lambda meta: meta.pop("meta_checksum"))  # as older jzero wrote
+    got = Checkpointer(tmp_path).restore(opt, params)
+    assert got.step == 2 and got.skipped == ()
+    _edit_meta(tmp_path, 2, _shape_edited)  # unprotected: told from the arrays, as before
+    with pytest.raises(CheckpointMismatchError, match=r"'weights.emb' is float32\[41, 13\]"):
+        Checkpointer(tmp_path).restore(opt, params, step=2)
