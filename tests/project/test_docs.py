@@ -289,3 +289,36 @@ def test_link_checker_finds_broken_links_and_anchors(tmp_path):
         "index.html: guides/a.html#nowhere (no id 'nowhere' in a.html)",
         f"index.html: missing.html (no file {tmp_path.resolve() / 'missing.html'})",
     ]
+
+
+def test_readme_gpu_paragraph_is_generated_from_the_committed_json():
+    """The README states what the lent GPU measured from ``benchmarks/gpu_check.json``;
+    regenerate it with ``python scripts/figures.py --readme README.md``."""
+    gpu = json.loads((ROOT / "benchmarks" / "gpu_check.json").read_text())
+    block = _figures().readme_block(gpu)
+    assert block in (ROOT / "README.md").read_text(), (
+        "README.md's GPU paragraph is out of date: python scripts/figures.py --readme README.md"
+    )
+    assert "not yet measured on a GPU" not in (ROOT / "README.md").read_text()
+
+
+def test_the_gpu_summary_says_what_ran_and_what_has_no_figures():
+    figures = _figures()
+    gpu = {
+        "dry_run": False,
+        "machine": {"device_kind": "NVIDIA H100", "jax": "0.11.2"},
+        "pieces": {
+            "n1": {"ran_at": "2026-12-01T10:00:00", "targets": [
+                {"status": "PASS", "measured": 1.004}, {"status": "FAIL", "measured": 1.031}]},
+            "table2": {"ran_at": "2026-12-01T11:00:00", "error": "timed out", "targets": []},
+            "mock8": {"parts": {"overlap": {"error": "timed out"}}, "targets": []},
+        },
+    }  # fmt: skip
+    text = figures.gpu_summary_md(gpu)
+    assert text.startswith(
+        "`scripts/gpu_check.sh` ran on a lent NVIDIA H100 (jax 0.11.2, 2026-12-01"
+    )
+    assert "stages 0-3 cost 1.004-1.031 x plain `jit`'s step." in text
+    assert text.endswith("No figures yet: `table2`, `mock8:overlap`.")
+    assert figures.gpu_summary_md(gpu | {"dry_run": True}).startswith("No GPU has run")
+    assert figures.gpu_summary_md(None).startswith("No GPU has run")
