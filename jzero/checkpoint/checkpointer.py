@@ -23,8 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,26 +32,23 @@ import orbax.checkpoint as ocp
 from ..core.checksum import checksums
 from ..core.input_checks import check_live
 from ..core.optimizer import ZeroOptimizer
-from ..core.plan import Plan, ZeroState
+from ..core.plan import ZeroState
+from ..core.stored_form import state_shardings
 from .argument_checks import check_extra, check_like, check_optimizer
 from .errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    storage_error_line,
 )
 from .format import (
-    FORMAT,
     META_CHECKSUM,
-    VERSION,
     build_meta,
     flatten,
     meta_checksum,
-    meta_damage,
-    state_types,
 )
-from .match import check_match
-from .relayout import assemble_state, restore_targets
+from .restore import read_arrays, read_meta, restore_step
 
 logger = logging.getLogger("jzero")
 
@@ -266,8 +261,8 @@ class Checkpointer:
     def _not_saved(self, step: int, e: BaseException) -> str:
         return (
             f"checkpoint step {step} was not saved to {self.directory}: "
-            f"{type(e).__name__}: {_first_line(e)}. The checkpoints finished before it are "
-            "intact; fix the cause (disk space, permissions, the directory) and save again."
+            f"{type(e).__name__}: {storage_error_line(e)}. The checkpoints finished before it "
+            "are intact; fix the cause (disk space, permissions, the directory) and save again."
         )
 
     def wait(self) -> None:
@@ -326,37 +321,15 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def metadata(self, step: int) -> dict[str, Any]:
-        """The JSON metadata of checkpoint ``step``."""
-        manager = self._existing()
-        try:
-            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001 -- Orbax raises many kinds; all mean unreadable
-            raise CheckpointError(f"checkpoint step {step}: metadata unreadable ({e}).") from e
-        meta = meta["meta"]
-        if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is not jzero's.")
-        if meta.get("version") != VERSION:
-            raise CheckpointError(
-                f"checkpoint step {step} has format version {meta.get('version')}; this "
-                f"jzero reads version {VERSION}."
-            )
-        if (damage := meta_damage(dict(meta))) is not None:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory}: {damage}.")
-        return dict(meta)
+        """The JSON metadata of checkpoint ``step`` (refused when damaged: its own checksum
+        fails)."""
+        return read_meta(self._existing(), str(self.directory), step)
 
     def read(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
         """Reads the named arrays of checkpoint ``step`` (any subset) into ``targets``'
         shapes and shardings: each device reads its own region, the padded dimension
         truncated or zero-filled (``strict=False``). Checks nothing: see :meth:`restore`."""
-        manager = self._existing()
-        restore_args = {
-            name: ocp.ArrayRestoreArgs(
-                sharding=t.sharding, global_shape=t.shape, dtype=t.dtype, strict=False
-            )
-            for name, t in targets.items()
-        }
-        args = ocp.args.PyTreeRestore(targets, restore_args=restore_args, partial_restore=True)
-        return manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        return read_arrays(self._existing(), step, targets)
 
     # ----------------------------------------------------------------------- restoring
     def restore(
@@ -396,9 +369,13 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint in {self.directory}.")
         plan = opt.plan(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like))
         skipped: list[tuple[int, str]] = []
+        layout = state_shardings(plan, opt.precision)  # every leaf's target sharding
+        manager, where = self._existing(), str(self.directory)
         for s in steps:
             try:
-                state, extra = self._restore_step(opt, plan, s, model_state)
+                if s not in (on_disk := self.all_steps()):
+                    raise CheckpointError(f"no checkpoint step {s} in {where} (steps: {on_disk}).")
+                state, extra = restore_step(manager, where, layout, opt.precision, s, model_state)
             except CheckpointMismatchError as e:
                 if not skipped:
                     raise
@@ -414,61 +391,6 @@ class Checkpointer:
             return Restored(state, s, extra, tuple(skipped))
         raise CheckpointError(f"no valid checkpoint in {self.directory}: {_reasons(skipped)}")
 
-    def _restore_step(
-        self, opt: ZeroOptimizer, plan: Plan, step: int, model_state: Any
-    ) -> tuple[ZeroState, Any]:
-        steps = self.all_steps()
-        if step not in steps:
-            raise CheckpointError(
-                f"no checkpoint step {step} in {self.directory} (steps: {steps})."
-            )
-        meta = self.metadata(step)
-        stored = meta["leaves"]
-        targets = restore_targets(plan, stored, opt.precision.dynamic_loss_scale)
-        check_match(
-            f"checkpoint step {step} in {self.directory}",
-            meta,
-            targets,
-            opt_state_types=state_types(plan.opt_def),
-            model_state=model_state,
-        )
-        try:
-            arrays = self.read(step, {k: t for k, (t, _) in targets.items() if k in stored})
-        except Exception as e:  # noqa: BLE001 -- tensorstore/Orbax errors: unreadable data
-            raise CheckpointError(
-                f"checkpoint step {step}: reading the arrays failed "
-                f"({type(e).__name__}: {_first_line(e)})"
-                f"{_leaf_hint(str(e), targets)}."
-            ) from e
-        names = [k for k in targets if k in stored]
-        sums = checksums([arrays[k] for k in names], [targets[k][1] for k in names])
-        for name, got in zip(names, sums):
-            if got != stored[name]["checksum"]:
-                raise CheckpointError(
-                    f"checkpoint step {step}: leaf {name!r} fails its checksum (stored "
-                    f"{stored[name]['checksum']}, read {got}): the data files are corrupt."
-                )
-        return assemble_state(plan, opt.precision, arrays, targets, model_state), meta.get("extra")
-
 
 def _reasons(skipped: list[tuple[int, str]]) -> str:
     return "; ".join(f"step {s}: {r}" for s, r in skipped)
-
-
-_OS_ERROR = re.compile(r"os_error_code=|\[Errno \d+\]")
-
-
-def _first_line(e: BaseException) -> str:
-    """The useful part of an Orbax / tensorstore error: the line that names the OS error
-    (e.g. "File too large"; else the first line), cut after it (tensorstore appends its
-    spec and source locations) and shortened in the middle."""
-    lines = str(e).strip().split(" See full TensorStore details")[0].splitlines() or [""]
-    line = next((x for x in lines if _OS_ERROR.search(x)), lines[0])
-    code = re.search(r"\[os_error_code=[^\]]*\]", line)
-    line = (line[: code.end()] if code else line).rstrip(".")
-    return line if len(line) <= 400 else f"{line[:200]} ... {line[-200:]}"
-
-
-def _leaf_hint(message: str, targets: Mapping[str, Any]) -> str:
-    found = [k for k in targets if k in message]
-    return f"; leaf {max(found, key=len)!r}" if found else ""

@@ -14,6 +14,8 @@ catches them all; the subclasses say *whose* problem it is:
 
 from __future__ import annotations
 
+import re
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be restored: missing, corrupt, or of another model."""
@@ -29,3 +31,17 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointSaveError(CheckpointError):
     """A save that did not reach the disk: its step was not written."""
+
+
+_OS_ERROR = re.compile(r"os_error_code=|\[Errno \d+\]")
+
+
+def storage_error_line(e: BaseException) -> str:
+    """The useful part of an Orbax / tensorstore error: the line that names the OS error
+    (e.g. "File too large"; else the first line), cut after it (tensorstore appends its
+    spec and source locations) and shortened in the middle."""
+    lines = str(e).strip().split(" See full TensorStore details")[0].splitlines() or [""]
+    line = next((x for x in lines if _OS_ERROR.search(x)), lines[0])
+    code = re.search(r"\[os_error_code=[^\]]*\]", line)
+    line = (line[: code.end()] if code else line).rstrip(".")
+    return line if len(line) <= 400 else f"{line[:200]} ... {line[-200:]}"

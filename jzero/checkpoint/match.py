@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import CheckpointMismatchError
+from .format import state_types
 from .names import leaf_names
-from .relayout import model_state_names
 
 _GROUPS = (
     ("step", "the step"),
@@ -24,19 +24,20 @@ def check_match(
     where: str,
     meta: dict[str, Any],
     targets: dict[str, tuple[Any, tuple[int, ...]]],
-    *,
-    opt_state_types: Sequence[str],
+    opt_def: Any,
     model_state: Any,
 ) -> None:
     """Raises :class:`CheckpointMismatchError` naming every difference between the
     checkpoint ``meta`` (at ``where``, e.g. ``"checkpoint step 2 in /runs/ckpt"``) and the
-    restoring ``targets`` (:func:`restore_targets`): leaves on one side only, true shapes
-    or dtypes that differ, and the Optax state types when those differ too."""
+    restoring ``targets`` (:func:`.restore.restore_targets`): leaves on one side only, true
+    shapes or dtypes that differ, and the Optax state types (``opt_def`` 's) when those
+    differ too."""
     stored = meta["leaves"]
     problems = _leaf_problems(stored, targets)
     if model_state is not None:
         problems += _model_state_problems(stored, model_state)
     saved_types = meta.get("opt_state_types")  # absent in checkpoints of older jzero
+    opt_state_types = state_types(opt_def)
     if problems and saved_types is not None and list(saved_types) != list(opt_state_types):
         problems.append(
             f"the checkpoint's Optax state is ({', '.join(saved_types)}), the restoring "
@@ -83,6 +84,11 @@ def _leaf_problems(stored: dict[str, Any], targets: dict[str, Any]) -> list[str]
                 "in the restoring model"
             )
     return problems
+
+
+def model_state_names(stored: dict[str, Any]) -> list[str]:
+    """The model state's leaves among a checkpoint's ``stored`` names."""
+    return [n for n in stored if n.startswith("model_state.") or n == "model_state"]
 
 
 def _model_state_problems(stored: dict[str, Any], model_state: Any) -> list[str]:

@@ -173,6 +173,39 @@ def init_program(
     return jax.jit(on_compute_mesh(init, plan.mesh), out_shardings=state_shardings(plan, precision))
 
 
+def restored_state(
+    plan: Plan,
+    precision: Precision,
+    weights: Any,
+    opt_state: Any,
+    step: jax.Array,
+    loss_scale: LossScale | None,
+    pending: Pending | None,
+) -> ZeroState:
+    """A :class:`ZeroState` of ``plan`` from a checkpoint's arrays, in one jitted program:
+    the parameters cast from the stored fp32 ``weights`` (the master weights kept under
+    mixed precision), a fresh held gradient where the checkpoint has none (``pending``
+    None); no model state (the caller adds it)."""
+
+    def build(weights, opt_state, step, loss_scale, pending):
+        w = view(weights, plan.master if plan.master is not None else plan.params)
+        return ZeroState(
+            step=step,
+            params=store(precision.cast(w), plan.params),
+            opt_state=opt_state,
+            model_state=None,
+            master=None if plan.master is None else store(w, plan.master),
+            loss_scale=loss_scale,
+            plan=plan,
+            pending=no_pending(plan) if pending is None else pending,
+        )
+
+    out = state_shardings(plan, precision)
+    return jax.jit(on_compute_mesh(build, plan.mesh), out_shardings=out)(
+        weights, opt_state, step, loss_scale, pending
+    )
+
+
 def _whole(plan: Plan, stored: tuple[Stored, ...], treedef: Any) -> Any:
     return jax.tree.unflatten(treedef, [plan.sharding(s.layout.user_spec) for s in stored])
 

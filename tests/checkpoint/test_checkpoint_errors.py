@@ -112,7 +112,7 @@ def test_a_failed_save_is_reported_at_the_next_call_and_the_process_exits(tmp_pa
 
 
 def test_the_os_error_is_kept_whichever_line_of_the_storage_error_names_it():
-    from jzero.checkpoint.checkpointer import _first_line
+    from jzero.checkpoint.errors import storage_error_line as _first_line
 
     tail = "File too large [os_error_code='27']"
     spec = " [source locations='tensorstore/kvstore/file/file_key_value_store.cc:123']"
