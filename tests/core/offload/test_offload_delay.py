@@ -184,3 +184,20 @@ def test_a_weighted_loss_with_a_delay_is_refused_when_traced():
 
     with pytest.raises(ValueError, match=r"jzero\.Weighted loss.*Offload\(delay=1\)"):
         opt.train_step(weighted)(opt.init(awkward_params()), awkward_batches(1)[0])
+
+
+def test_the_delay_on_an_explicit_mesh_with_accumulation_equals_the_auto_mesh_bitwise():
+    """Where the delay meets other features: ``jax.make_mesh`` 's Explicit axes and
+    gradient accumulation, bf16 with fp32 master weights, stage 3."""
+    finals = []
+    for mesh in (jzero.data_mesh(), jax.make_mesh((8,), ("data",))):
+        opt = jzero.ZeroOptimizer(
+            TXS["clip_adamw"], mesh, stage=3, min_shard_size=1, precision=BF16,
+            offload=_delayed(1),
+        )  # fmt: skip
+        state, step = opt.init(awkward_params()), opt.train_step(awkward_loss, grad_accum=2)
+        for batch in awkward_batches(4):
+            state, _ = step(state, batch)
+        finals.append(opt.full_state(state))
+    for got, want in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[0])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
