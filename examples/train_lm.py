@@ -796,6 +796,7 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> 
     val_loss = curve.val_losses[-1][1] if curve.val_losses else evaluate(0)
     save_every = args.save_every or SAVE_EVERY
     batch = None
+    on_terminal = sys.stderr.isatty()
     bar = tqdm(
         range(start, args.steps),
         desc=f"zero{args.stage}",
@@ -803,7 +804,9 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> 
         total=args.steps,
         dynamic_ncols=True,
         # Off a terminal (a log file, CI) every redraw is a line: one a minute, not 10 a second.
-        mininterval=0.1 if sys.stderr.isatty() else 60.0,
+        # miniters=1 there keeps tqdm's monitor thread from redrawing every 10 s as well.
+        mininterval=0.1 if on_terminal else 60.0,
+        miniters=None if on_terminal else 1,
         disable=not jzero.distributed.is_main_process(),
     )
     # Multi-process: a lost peer ends every survivor with a message (and exit status 1)
@@ -825,7 +828,8 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> 
             if done % args.eval_every == 0 or done == args.steps:
                 val_loss = evaluate(done)
             tok_s = f"{tokens_per_step / dt:,.0f}"
-            bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": tok_s})
+            postfix = {"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": tok_s}
+            bar.set_postfix(postfix, refresh=False)  # shown at the next redraw mininterval allows
             log_step(log, curve, step, tokens_per_step)
             if ckpt is not None and (done % save_every == 0 or done == args.steps):
                 # Asynchronous: returns once the arrays are off the devices; the next step

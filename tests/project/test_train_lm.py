@@ -361,18 +361,21 @@ def run_main(argv):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Directory with straight/{out,ckpt} (N steps) and stopped/{out,ckpt} (stopped after
-    N/2 + LOST steps; its newest checkpoint at N/2), and that checkpoint copied to other/."""
+    """Directory with straight/{out,ckpt,stderr} (N steps, its stderr a file) and
+    stopped/{out,ckpt} (stopped after N/2 + LOST steps; its newest checkpoint at N/2), and
+    that checkpoint copied to other/."""
     root = tmp_path_factory.mktemp("runs")
-    run_main(
-        [
-            *RESUME,
-            "--out",
-            str(root / "straight/out"),
-            "--checkpoint-dir",
-            str(root / "straight/ckpt"),
-        ]
-    )
+    (root / "straight").mkdir()
+    with open(root / "straight/stderr", "w") as err, contextlib.redirect_stderr(err):
+        run_main(
+            [
+                *RESUME,
+                "--out",
+                str(root / "straight/out"),
+                "--checkpoint-dir",
+                str(root / "straight/ckpt"),
+            ]
+        )
 
     real = data.batches
 
@@ -447,6 +450,18 @@ def test_resumed_run_equals_the_uninterrupted_one_bitwise(runs):
     summary = [line for line in out.splitlines() if line.startswith(("loss ", "validation loss "))]
     assert len(summary) == 2 and all(line in want_log for line in summary)
     assert (runs / "stopped/out/loss.png").stat().st_size > 0
+
+
+def test_train_lm_redraws_its_bar_once_a_minute_off_a_terminal(runs):
+    """With stderr a file, each redraw of the bar is a line of the log: the first, one per
+    full minute at most (tqdm's mininterval), and the last; not one per step."""
+    stderr = (runs / "straight/stderr").read_bytes().decode()  # read_text() turns \r to \n
+    draws = stderr.split("\r")[1:]  # tqdm starts each draw with \r
+    wall_s = json.loads((runs / "straight/out/summary.json").read_text())["wall_s"]
+    assert 2 <= len(draws) <= 2 + wall_s // 60, draws
+    assert draws[0].startswith("zero3:   0%|") and f" 0/{N} " in draws[0]
+    last = draws[-1].split("\n")[0]  # the final step's figures, drawn by close()
+    assert last.startswith("zero3: 100%|") and f" {N}/{N} " in last and "loss=" in last
 
 
 # Flipping bytes in a data file makes Orbax abandon reads whose callbacks die later with
