@@ -13,6 +13,8 @@ from typing import Literal
 
 import numpy as np
 
+from .moved import names_moved_options
+
 GATHER_QUANTS = ("int8", "fp8")
 """The values ``Communication.gather_quant`` accepts besides None."""
 GRAD_QUANTS = ("int8", "int4")
@@ -33,6 +35,7 @@ class Quant:
     block: int = 256
 
 
+@names_moved_options
 @dataclasses.dataclass(frozen=True)
 class Communication:
     """The collectives a ZeRO step runs, beyond their defaults.

@@ -11,12 +11,14 @@ from jax.sharding import PartitionSpec as P
 
 from ..leaf_layout import DEFAULT_MIN_SHARD_SIZE
 from ..rules import Rules, as_rules, check_rules
+from .moved import names_moved_options
 
 
 def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, P)
 
 
+@names_moved_options
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Layout:
     """How the parameters are laid out beyond ZeRO's own ``data`` axis.

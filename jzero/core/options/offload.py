@@ -15,6 +15,7 @@ from typing import Any, Literal
 import jax
 
 from ...internal import host_compute
+from .moved import names_moved_options
 
 HOST = "pinned_host"
 """The memory kind an offloaded leaf is stored in (ZeRO-Offload: the optimizer's leaves)."""
@@ -25,6 +26,7 @@ DEFAULT_EXACT_STEPS = 40
 """Exact steps before ``Offload(delay=1)`` 's delayed update starts, unless given."""
 
 
+@names_moved_options
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Offload:
     """Which model states rest in pinned host memory, and where the optimizer step runs.

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..dtypes import float_dtype
+from .moved import names_moved_options
 
 _FLOATS = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -19,6 +20,7 @@ def _check_dtype(name: str, dtype: Any) -> np.dtype:
     return float_dtype(dtype, what=f"Precision.{name}", allowed=_FLOATS, example=example)
 
 
+@names_moved_options
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """How parameters are stored, computed with, gathered and reduced.

@@ -12,7 +12,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .moved import names_moved_options, refuse_moved
 
+
+@names_moved_options
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """How ``train_step`` calls the loss, and what it keeps.
@@ -125,7 +128,9 @@ def step_options(
     keyword arguments replacing its fields; never both."""
     default = StepOptions() if default is None else default
     if options is None:
-        unknown = sorted(kwargs.keys() - {f.name for f in dataclasses.fields(StepOptions)})
+        fields = {f.name for f in dataclasses.fields(StepOptions)}
+        refuse_moved("train_step", kwargs, fields)
+        unknown = sorted(kwargs.keys() - fields)
         if unknown:
             raise TypeError(f"train_step got unknown options {_names(unknown)}.")
         return dataclasses.replace(default, **kwargs) if kwargs else default

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from ..mesh import check_mesh
 from .communication import Communication
 from .layout import Layout
+from .moved import names_moved_options, refuse_moved
 from .offload import Offload, as_offload
 from .precision import Precision
 from .step import StepOptions
@@ -29,6 +30,7 @@ KEYWORDS = ("stage", "param_specs", "rules", "min_shard_size", "precision", "com
 """The configuration's fields as the optimizer and the Flax train states take them by name."""
 
 
+@names_moved_options
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Everything a ZeRO run is configured with, apart from the model, ``tx`` and the mesh.
@@ -127,6 +129,7 @@ _OPTIONS = {
 def zero_config(config: ZeroConfig | None, keywords: dict[str, Any], *, what: str) -> ZeroConfig:
     """``config``, or the keyword options (:data:`KEYWORDS`) gathered into one; never both.
     ``what`` names the caller in the errors, e.g. ``"ZeroOptimizer"``."""
+    refuse_moved(what, keywords, KEYWORDS)
     unknown = sorted(keywords.keys() - set(KEYWORDS))
     if unknown:
         raise TypeError(
