@@ -20,6 +20,15 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+FACTORY_HELP = (
+    "a function (in FILE.py, or MODULE:FUNCTION) that returns a dict: loss_fn (the loss, as "
+    "ZeroOptimizer.train_step takes it), batch (the global batch one step trains on: arrays "
+    "or jax.ShapeDtypeStructs), and params (arrays or ShapeDtypeStructs) or init_fn (a "
+    "function that makes them); optionally tx (an Optax transformation; default "
+    "optax.adamw(3e-4)) and config (a jzero.ZeroConfig of the run's own options, kept in "
+    "every candidate)"
+)
+
 
 def add_parser(commands: Any, size: Callable[[str], float]) -> None:
     p = commands.add_parser(
@@ -28,8 +37,11 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
         description="Compile every plausible configuration of a model's training step ahead "
         "of time (nothing runs but a short device probe), read its memory, collective bytes "
         "and FLOPs, and choose the one that fits the budget with the lowest predicted time.",
+        epilog="Example: python -m jzero autoconfigure examples/gpt.py:problem --set "
+        "d_model=256 --set batch=64 --device-budget 16GB (examples/gpt.py's problem() "
+        "returns such a dict).",
     )
-    p.add_argument("factory", metavar="FILE.py:FUNCTION", help="returns the problem (see above)")
+    p.add_argument("factory", metavar="FILE.py:FUNCTION", help=FACTORY_HELP)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword argument of the factory (repeatable)")  # fmt: skip
     p.add_argument("--device-budget", type=size, help="device memory per device (default: all)")

@@ -25,7 +25,7 @@ FP16 = {
         number,
         0.0,
         refused="jzero scales the loss dynamically (loss_scale 0) or not at all; a fixed scale "
-        "is not implemented. Use 0.",
+        "is not implemented. Set it to 0 (or remove it) for dynamic scaling.",
         matches=(0.0,),
     ),
     "initial_scale_power": Key(integer, 16),
@@ -53,7 +53,10 @@ FP16 = {
     "fp16_master_weights_and_grads": Key(
         boolean,
         False,
-        refused="jzero keeps fp32 master weights (sharded from stage 1) for 16-bit parameters.",
+        refused="jzero has no float16 master weights: for float16 parameters it keeps fp32 "
+        "master weights in the optimizer's state (sharded over the devices from stage 1), "
+        "updates them in fp32 and casts them down after each step. Remove the key, or set it "
+        "to false, to train that way.",
         matches=(False,),
     ),
 }
@@ -78,7 +81,11 @@ def read_precision(top: Section) -> Precision:
     fp16 = switched(top, "fp16", FP16)
     bf16 = switched(top, "bfloat16" if "bfloat16" in top and "bf16" not in top else "bf16", BF16)
     if fp16["enabled"] and bf16["enabled"]:
-        top.refuse("fp16", "fp16 and bf16 cannot both be enabled (DeepSpeed refuses it too).")
+        top.refuse(
+            "fp16",
+            "fp16 and bf16 cannot both be enabled (DeepSpeed refuses it too); set "
+            "fp16.enabled or bf16.enabled to false.",
+        )
     reduce = REDUCE_DTYPES.get(top["communication_data_type"])
     if bf16["enabled"]:
         return Precision(param_dtype=jnp.bfloat16, reduce_dtype=reduce)

@@ -17,7 +17,9 @@ import optax
 
 from .keys import REQUIRED, Key, Section, attempt, boolean, no_effect, number, pair, string
 
-CLIPPING = Key(refused='DeepSpeed refuses it too; use the top-level "gradient_clipping".')
+CLIPPING = Key(
+    refused='DeepSpeed refuses it too; remove it and set the top-level "gradient_clipping" instead.'
+)
 GRAD_NONE = no_effect("jzero's gradients exist only inside the step")
 ADAM = {
     "lr": Key(number, 0.001),
@@ -27,12 +29,17 @@ ADAM = {
     "adam_w_mode": Key(boolean, True),
     "torch_adam": Key(boolean, False),
     "bias_correction": Key(
-        boolean, True, refused="Optax's Adam always corrects the bias.", matches=(True,)
+        boolean,
+        True,
+        refused="Optax's Adam always corrects the bias; set it to true (or remove it).",
+        matches=(True,),
     ),
     "amsgrad": Key(
         boolean,
         False,
-        refused="DeepSpeed's FusedAdam refuses it too; pass optax.amsgrad(...) as tx.",
+        refused="DeepSpeed's FusedAdam refuses it too; set it to false (or remove it), or "
+        'remove "optimizer" from the config and pass the AMSGrad variant as your own Optax '
+        "transformation: options.optimizer(mesh, tx=optax.amsgrad(...)).",
         matches=(False,),
     ),
     "max_grad_norm": CLIPPING,
@@ -43,7 +50,12 @@ SGD = {
     "momentum": Key(number, 0.0),
     "nesterov": Key(boolean, False),
     "weight_decay": Key(number, 0.0),
-    "dampening": Key(number, 0.0, refused="optax.sgd has no dampening.", matches=(0.0,)),
+    "dampening": Key(
+        number,
+        0.0,
+        refused="optax.sgd has no dampening; set it to 0 (or remove it).",
+        matches=(0.0,),
+    ),
     "max_grad_norm": CLIPPING,
 }
 LION = {
@@ -61,9 +73,12 @@ REFUSED = {
     "lamb": "DeepSpeed's FusedLamb clamps the trust ratio to [min_coeff, max_coeff] and "
     f"takes it before bias correction, optax.lamb does neither; {OWN_TX}.",
     "adagrad": f"torch's Adagrad adds eps outside the square root, optax.adagrad inside; {OWN_TX}.",
-    "onebitadam": "1-bit compressed communication is not in jzero (nor in DeepSpeed's ZeRO).",
-    "onebitlamb": "1-bit compressed communication is not in jzero (nor in DeepSpeed's ZeRO).",
-    "zerooneadam": "0/1 Adam's compressed communication is not in jzero (nor in DeepSpeed's ZeRO).",
+    "onebitadam": "1-bit compressed communication is not in jzero (nor in DeepSpeed's ZeRO); "
+    f'use type "Adam" (Adam with exact communication), or {OWN_TX}.',
+    "onebitlamb": "1-bit compressed communication is not in jzero (nor in DeepSpeed's ZeRO), "
+    f"and optax.lamb is not DeepSpeed's Lamb; {OWN_TX}.",
+    "zerooneadam": "0/1 Adam's compressed communication is not in jzero (nor in DeepSpeed's "
+    f'ZeRO); use type "Adam" (Adam with exact communication), or {OWN_TX}.',
     "muadam": f"muP needs per-parameter learning rates (optax.multi_transform); {OWN_TX}.",
     "muadamw": f"muP needs per-parameter learning rates (optax.multi_transform); {OWN_TX}.",
     "musgd": f"muP needs per-parameter learning rates (optax.multi_transform); {OWN_TX}.",
@@ -101,7 +116,11 @@ def check_params(kind: str, p: Section) -> None:
     if kind == "adamw" and "adam_w_mode" in p and not p["adam_w_mode"]:
         p.note("adam_w_mode", 'type "AdamW" always decouples weight decay, as in DeepSpeed')
     if kind == "sgd" and p["nesterov"] and p["momentum"] <= 0:
-        p.refuse("nesterov", "it needs momentum > 0 (torch.optim.SGD refuses it too).")
+        p.refuse(
+            "nesterov",
+            "it needs momentum > 0 (torch.optim.SGD refuses it too); set momentum above 0, or "
+            "nesterov to false.",
+        )
 
 
 # lower-case type (DeepSpeed compares them so) -> (its params' table, the builder).

@@ -43,7 +43,7 @@ RESUME = Key(
     integer,
     -1,
     refused="jzero resumes a schedule from the update count in its checkpoint "
-    "(jzero.Checkpointer); leave last_batch_iteration at -1.",
+    "(jzero.Checkpointer); set last_batch_iteration to -1 (or remove it).",
     matches=(-1,),
 )
 WARMUP_LR = {
@@ -111,7 +111,11 @@ def warmup_cosine_lr(p: Section, *, base_lr: float) -> optax.Schedule:
     """``WarmupCosineLR``: a ratio of the optimizer's lr, 0 for the first update."""
     total, w, warm = p["total_num_steps"], max(2, p["warmup_num_steps"]), WARMUP[p["warmup_type"]]
     if total <= w:
-        p.refuse("total_num_steps", f"it must exceed warmup_num_steps ({w}).")
+        p.refuse(
+            "total_num_steps",
+            f"it must exceed warmup_num_steps ({w}); raise it above {w}, or lower "
+            "warmup_num_steps.",
+        )
     lo, end = p["warmup_min_ratio"], p["cos_min_ratio"]
 
     def schedule(count):
@@ -206,7 +210,11 @@ def _read(top: Section, optimizer: Optimizer | None) -> optax.Schedule:
     table, build = SCHEDULERS[kind]
     params = section.section("params", table)
     if kind == "WarmupCosineLR" and optimizer is None:
-        section.refuse("type", 'WarmupCosineLR scales the optimizer\'s lr; add an "optimizer".')
+        section.refuse(
+            "type",
+            'WarmupCosineLR scales the optimizer\'s lr; add an "optimizer", or use a scheduler '
+            "that sets the rate itself (WarmupLR, WarmupDecayLR, OneCycle, LRRangeTest).",
+        )
     if optimizer is None:  # the caller's own tx, assumed to have betas
         return build(params, None, True)
     schedule = build(params, optimizer.lr, optimizer.betas)

@@ -151,13 +151,16 @@ def read_zero(top: Section) -> Zero:
     stage = zero["stage"]
     gather_quant = "int8" if zero["zero_quantized_weights"] else None
     if gather_quant and stage != 3:
-        zero.refuse("zero_quantized_weights", "it quantizes stage 3's all-gathers; use stage 3.")
+        zero.refuse(
+            "zero_quantized_weights",
+            "it quantizes stage 3's all-gathers; use stage 3, or set it to false.",
+        )
     grad_quant = "int8" if zero["zero_quantized_gradients"] else None
     if grad_quant and stage == 0:
         zero.refuse(
             "zero_quantized_gradients",
             "it quantizes the gradient reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 "
-            "all-reduces whole gradients; use stage 1, 2 or 3.",
+            "all-reduces whole gradients; use stage 1, 2 or 3, or set it to false.",
         )
     hpz = zero["zero_hpz_partition_size"] if zero["zero_hpz_partition_size"] > 1 else None
     if hpz and stage != 3:
@@ -205,7 +208,7 @@ def _offload(zero: Section) -> Offload | None:
         param.refuse(
             "device",
             "parameter offload needs stage 3 (as in DeepSpeed): below it every device holds "
-            "the whole parameters. Set zero_optimization.stage to 3.",
+            'the whole parameters. Set zero_optimization.stage to 3, or "device" to "none".',
         )
     if optimizer is None and not params:
         return None
@@ -220,8 +223,8 @@ def _offload_optimizer(zero: Section) -> tuple[Literal["host"], float] | None:
     if "cpu_offload" in zero and "offload_optimizer" in zero:
         zero.refuse(
             "cpu_offload",
-            "it is DeepSpeed's older spelling of offload_optimizer; keep offload_optimizer "
-            "alone (DeepSpeed refuses the two together too).",
+            "it is DeepSpeed's older spelling of offload_optimizer; remove it and keep "
+            "offload_optimizer alone (DeepSpeed refuses the two together too).",
         )
     if zero["cpu_offload"]:
         where, key = zero, "cpu_offload"
@@ -231,10 +234,12 @@ def _offload_optimizer(zero: Section) -> tuple[Literal["host"], float] | None:
         _note_sub_group_size(zero, offloaded=False)
         return None
     if zero["stage"] == 0:
+        off = '"device" to "none"' if key == "device" else "cpu_offload to false"
         where.refuse(
             key,
             "optimizer offload needs stage 1, 2 or 3 (as in DeepSpeed): at stage 0 every "
-            "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3.",
+            "device holds the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3, "
+            f"or {off}.",
         )
     _note_sub_group_size(zero, offloaded=True)
     return "host", optimizer["ratio"] if key == "device" else 1.0  # cpu_offload: the whole

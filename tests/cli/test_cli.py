@@ -285,6 +285,26 @@ def test_autoconfigure_answers_the_smallest_budget_when_nothing_fits(capsys):
     assert "no configuration fits a device budget of 0.00 MB: the smallest that would is" in out
 
 
+def test_autoconfigure_help_says_what_the_factory_returns(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["autoconfigure", "--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse's line breaks undone
+    assert "see above" not in help_text
+    assert (
+        "FILE.py:FUNCTION a function (in FILE.py, or MODULE:FUNCTION) that returns a dict: "
+        "loss_fn (the loss, as ZeroOptimizer.train_step takes it), batch (the global batch one "
+        "step trains on: arrays or jax.ShapeDtypeStructs), and params (arrays or "
+        "ShapeDtypeStructs) or init_fn (a function that makes them); optionally tx (an Optax "
+        "transformation; default optax.adamw(3e-4)) and config (a jzero.ZeroConfig of the "
+        "run's own options, kept in every candidate) "
+    ) in help_text
+    assert help_text.endswith(
+        "Example: python -m jzero autoconfigure examples/gpt.py:problem --set d_model=256 "
+        "--set batch=64 --device-budget 16GB (examples/gpt.py's problem() returns such a dict)."
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "error"),
     [

@@ -2,9 +2,12 @@
 with why and the fix, the Hugging Face Trainer's ``"auto"`` values filled only when asked,
 and the file read as DeepSpeed reads it (comments, duplicate keys)."""
 
+import ast
+import importlib
 import json
 import re
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ import pytest
 from _deepspeed import HF_AUTO, HF_ZERO2, OFFLOAD, deepspeed_lr, load, noted, problems, run_updates
 
 import jzero
+import jzero.config
 from jzero.config import BatchSizes, DeepSpeedConfigWarning, jsonc
 
 # ------------------------------------------------------------------ keys named
@@ -104,6 +108,171 @@ def test_unknown_key_is_named_with_the_accepted_ones(config, path):
 def test_key_jzero_cannot_honour_is_named(config, path):
     with pytest.raises(ValueError, match=f"^DeepSpeed config: {re.escape(path)}"):
         load(config)
+
+
+def test_fp16_master_weights_and_grads_says_to_remove_it_and_what_jzero_does():
+    config = {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}
+    assert str(problems(config)) == (
+        "DeepSpeed config: fp16.fp16_master_weights_and_grads = True: jzero has no float16 "
+        "master weights: for float16 parameters it keeps fp32 master weights in the "
+        "optimizer's state (sharded over the devices from stage 1), updates them in fp32 and "
+        "casts them down after each step. Remove the key, or set it to false, to train that "
+        "way."
+    )
+    config["fp16"]["fp16_master_weights_and_grads"] = False  # what jzero does: accepted
+    assert load(config).precision == load({"fp16": {"enabled": True}}).precision
+
+
+OWN_TX = (
+    'remove "optimizer" from the config and pass your own Optax transformation: '
+    "options.optimizer(mesh, tx=...)."
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"fp16": {"enabled": True, "loss_scale": 128}},
+            "fp16.loss_scale = 128.0: jzero scales the loss dynamically (loss_scale 0) or not at "
+            "all; a fixed scale is not implemented. Set it to 0 (or remove it) for dynamic "
+            "scaling.",
+        ),
+        (
+            {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+            "fp16 = {'enabled': True}: fp16 and bf16 cannot both be enabled (DeepSpeed refuses "
+            "it too); set fp16.enabled or bf16.enabled to false.",
+        ),
+        (
+            {"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
+            "optimizer.params.bias_correction = False: Optax's Adam always corrects the bias; "
+            "set it to true (or remove it).",
+        ),
+        (
+            {"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
+            "optimizer.params.amsgrad = True: DeepSpeed's FusedAdam refuses it too; set it to "
+            'false (or remove it), or remove "optimizer" from the config and pass the AMSGrad '
+            "variant as your own Optax transformation: options.optimizer(mesh, "
+            "tx=optax.amsgrad(...)).",
+        ),
+        (
+            {"optimizer": {"type": "Lion", "params": {"max_grad_norm": 1.0}}},
+            "optimizer.params.max_grad_norm = 1.0: DeepSpeed refuses it too; remove it and set "
+            'the top-level "gradient_clipping" instead.',
+        ),
+        (
+            {"optimizer": {"type": "SGD", "params": {"dampening": 0.1}}},
+            "optimizer.params.dampening = 0.1: optax.sgd has no dampening; set it to 0 (or "
+            "remove it).",
+        ),
+        (
+            {"optimizer": {"type": "SGD", "params": {"nesterov": True}}},
+            "optimizer.params.nesterov = True: it needs momentum > 0 (torch.optim.SGD refuses "
+            "it too); set momentum above 0, or nesterov to false.",
+        ),
+        (
+            {"optimizer": {"type": "OneBitAdam"}},
+            "optimizer.type = 'OneBitAdam': 1-bit compressed communication is not in jzero (nor "
+            f'in DeepSpeed\'s ZeRO); use type "Adam" (Adam with exact communication), or {OWN_TX}',
+        ),
+        (
+            {"optimizer": {"type": "OneBitLamb"}},
+            "optimizer.type = 'OneBitLamb': 1-bit compressed communication is not in jzero (nor "
+            f"in DeepSpeed's ZeRO), and optax.lamb is not DeepSpeed's Lamb; {OWN_TX}",
+        ),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}},
+            "scheduler.params.last_batch_iteration = 5: jzero resumes a schedule from the update "
+            "count in its checkpoint (jzero.Checkpointer); set last_batch_iteration to -1 (or "
+            "remove it).",
+        ),
+        (
+            {
+                "optimizer": {"type": "Adam"},
+                "scheduler": {
+                    "type": "WarmupCosineLR",
+                    "params": {"total_num_steps": 5, "warmup_num_steps": 5},
+                },
+            },
+            "scheduler.params.total_num_steps = 5: it must exceed warmup_num_steps (5); raise it "
+            "above 5, or lower warmup_num_steps.",
+        ),
+        (
+            {
+                "scheduler": {
+                    "type": "WarmupCosineLR",
+                    "params": {"total_num_steps": 9, "warmup_num_steps": 2},
+                }
+            },
+            "scheduler.type = 'WarmupCosineLR': WarmupCosineLR scales the optimizer's lr; add an "
+            '"optimizer", or use a scheduler that sets the rate itself (WarmupLR, '
+            "WarmupDecayLR, OneCycle, LRRangeTest).",
+        ),
+    ],
+)
+def test_a_refusal_says_what_to_do_instead(config, message):
+    assert str(problems(config)) == f"DeepSpeed config: {message}"
+
+
+# An instruction: an imperative verb opening a clause ("...; set it to false.").
+WAY_OUT = re.compile(
+    r"(?:^|[;:.(]\s*|,\s*or\s+)(?:remove|set|use|pass|add|keep|write|drop|raise|lower)\b",
+    re.IGNORECASE,
+)
+
+
+def _refusal_texts(node, module):
+    """The texts a refusal's ``why`` can be: a string; an f-string's fixed parts (with the
+    module's string constants filled in); a module constant; every value of a module dict
+    it indexes. None for ``rule.refused`` passed on (counted where the Key is written)."""
+    if isinstance(node, ast.Attribute) and node.attr == "refused":
+        return []
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        parts = []
+        for part in node.values:
+            if isinstance(part, ast.Constant):
+                parts.append(part.value)
+            elif isinstance(part.value, ast.Name) and isinstance(
+                getattr(module, part.value.id, None), str
+            ):
+                parts.append(getattr(module, part.value.id))
+            else:
+                parts.append("{...}")
+        return ["".join(parts)]
+    if isinstance(node, ast.Name) and isinstance(getattr(module, node.id, None), str):
+        return [getattr(module, node.id)]
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        return list(getattr(module, node.value.id).values())
+    raise AssertionError(f"{module.__name__}: cannot read the refusal {ast.unparse(node)}")
+
+
+def _refusals():
+    """Every refusal text in jzero/config: each ``Key(refused=...)`` and each
+    ``.refuse(key, why)`` call, by module."""
+    found = {}
+    for path in sorted(Path(jzero.config.__file__).parent.glob("*.py")):
+        module = importlib.import_module(f"jzero.config.{path.stem}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            whys = [k.value for k in node.keywords if k.arg == "refused"]
+            if isinstance(node.func, ast.Attribute) and node.func.attr == "refuse":
+                whys.append(node.args[1])
+            for why in whys:
+                found.setdefault(path.stem, []).extend(_refusal_texts(why, module))
+    return found
+
+
+def test_every_refusal_in_jzero_config_says_what_to_do():
+    """Each text jzero/config refuses a key with says what to do instead: remove the key,
+    set it to a value, or use or pass something else."""
+    found = _refusals()
+    counts = {stem: len(texts) for stem, texts in found.items() if texts}
+    assert counts == {"deepspeed": 1, "fp16_bf16": 3, "optim": 14, "schedules": 4, "zero": 8}
+    texts = [text for texts in found.values() for text in texts]
+    assert [text for text in texts if not WAY_OUT.search(text)] == []
 
 
 def test_keys_matching_jzero_pass_without_warning():

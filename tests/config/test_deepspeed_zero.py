@@ -131,7 +131,7 @@ def test_offload_keys_without_a_cpu_device_are_warned_as_unused():
 
 STAGES_1_TO_3 = (
     "optimizer offload needs stage 1, 2 or 3 (as in DeepSpeed): at stage 0 every device holds "
-    "the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3."
+    "the whole optimizer state. Set zero_optimization.stage to 1, 2 or 3, or "
 )
 
 
@@ -140,14 +140,18 @@ STAGES_1_TO_3 = (
     [
         (
             {"stage": 0, "offload_optimizer": {"device": "cpu"}},
-            f"zero_optimization.offload_optimizer.device = 'cpu': {STAGES_1_TO_3}",
+            f"zero_optimization.offload_optimizer.device = 'cpu': {STAGES_1_TO_3}"
+            '"device" to "none".',
         ),
-        ({"cpu_offload": True}, f"zero_optimization.cpu_offload = True: {STAGES_1_TO_3}"),
+        (
+            {"cpu_offload": True},
+            f"zero_optimization.cpu_offload = True: {STAGES_1_TO_3}cpu_offload to false.",
+        ),
         (
             {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}},
             "zero_optimization.cpu_offload = True: it is DeepSpeed's older spelling of "
-            "offload_optimizer; keep offload_optimizer alone (DeepSpeed refuses the two "
-            "together too).",
+            "offload_optimizer; remove it and keep offload_optimizer alone (DeepSpeed refuses "
+            "the two together too).",
         ),
         (
             {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}},
@@ -159,7 +163,7 @@ STAGES_1_TO_3 = (
             {"stage": 2, "offload_param": {"device": "cpu", "pin_memory": True}},
             "zero_optimization.offload_param.device = 'cpu': parameter offload needs stage 3 "
             "(as in DeepSpeed): below it every device holds the whole parameters. Set "
-            "zero_optimization.stage to 3.",
+            'zero_optimization.stage to 3, or "device" to "none".',
         ),
         (
             {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}},
@@ -171,12 +175,12 @@ STAGES_1_TO_3 = (
             {"zero_quantized_gradients": True},
             "zero_optimization.zero_quantized_gradients = True: it quantizes the gradient "
             "reduce-scatter of stages 1-3 (ZeRO++ qgZ), and stage 0 all-reduces whole "
-            "gradients; use stage 1, 2 or 3.",
+            "gradients; use stage 1, 2 or 3, or set it to false.",
         ),
         (
             {"stage": 2, "zero_quantized_weights": True},
             "zero_optimization.zero_quantized_weights = True: it quantizes stage 3's "
-            "all-gathers; use stage 3.",
+            "all-gathers; use stage 3, or set it to false.",
         ),
         (
             {"stage": 2, "zero_hpz_partition_size": 4},
