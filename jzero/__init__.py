@@ -36,6 +36,8 @@ from .core.options.step import StepOptions as StepOptions
 from .core.options.zero_config import ZeroConfig as ZeroConfig
 from .core.plan import Plan as Plan
 from .core.plan import ZeroState as ZeroState
+from .core.user_step.placement import shard_params as shard_params
+from .core.user_step.transformation import shard_optimizer as shard_optimizer
 from .core.weighted import Weighted as Weighted
 
 __version__ = "0.1.0"

@@ -1,0 +1,193 @@
+"""``jzero.shard_optimizer``: any Optax transformation, ZeRO-partitioned, for the user's own
+``jax.jit`` step.
+
+The state is laid out along ``data`` (:mod:`.layout`); ``update`` constrains the gradients
+to that layout at stage >= 2, so the compiler reduce-scatters them instead of all-reducing,
+runs the wrapped update on the shards, and hands back updates in the parameters' layout:
+replicated at stages 1-2 (the compiler all-gathers them), sharded at stage 3. Unlike
+``ZeroOptimizer``'s own step, the compiler places the collectives: per-layer gathering,
+prefetch, buckets, offload and quantized collectives need jzero's step.
+
+Both functions run as ``jit`` programs of their own (inlined into the caller's ``jit``), on
+the mesh's ``Auto`` twin (:mod:`jzero.core.axis_types`), and return arrays typed with the
+user's mesh, ``Explicit`` axes included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from ..axis_types import compute_mesh, on_compute_mesh, typed
+from ..input_checks import check_leaves
+from ..optimizer import ZeroOptimizer
+from ..options.zero_config import ZeroConfig, zero_config
+from .layout import UserLayout, user_layout
+from .manual_reshard import reshard
+from .placement import check_placed
+from .user_options import check_user_step
+
+
+class MasterWeightsState(NamedTuple):
+    """:func:`shard_optimizer`'s state under a 16-bit :class:`jzero.Precision`."""
+
+    inner_state: optax.OptState  # the wrapped transformation's state, of the fp32 master
+    master: optax.Params  # fp32 copy of the parameters (others as they are), along 'data'
+
+
+def shard_optimizer(
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    config: ZeroConfig | None = None,
+    **options: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` with its state (and gradients, and at stage 3 parameters) partitioned over
+    ``mesh``'s ``data`` axis, for a training step the user writes with ``jax.jit``.
+
+    Args:
+        tx: any Optax transformation (chains, masks, schedules, ``inject_hyperparams``,
+            ``MultiSteps``, Adafactor...).
+        mesh: a mesh with a ``'data'`` axis, ``Auto`` or ``Explicit``.
+        config: a :class:`jzero.ZeroConfig`; or, in its place, ``stage`` (0-3) and the
+            options ``param_specs``, ``rules``, ``min_shard_size`` and ``precision``. A
+            16-bit ``Precision(param_dtype=...)`` keeps fp32 master weights in the state
+            (:class:`MasterWeightsState`). Communication, offload, dynamic loss scaling and
+            step options need jzero's own step and are refused.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs``. ``init(params)`` returns the wrapped
+        state (a :class:`MasterWeightsState` with master weights) laid out along ``data``
+        in true shapes: each leaf along the dimension ``ZeroOptimizer`` picks, where
+        ``data``'s size divides it, else replicated. ``update(grads, state, params)``
+        returns updates in the parameters' layout and the new state, equal to ``tx``'s
+        up to the order in which the compiler sums the devices' gradients. At stage 3 the
+        parameters rest sharded: place them with :func:`jzero.shard_params` first.
+
+    Examples:
+        >>> tx = jzero.shard_optimizer(optax.adamw(3e-4), mesh, stage=2)
+        >>> opt_state = tx.init(params)
+        >>> @jax.jit
+        ... def step(params, opt_state, batch):
+        ...     grads = jax.grad(loss_fn)(params, batch)
+        ...     updates, opt_state = tx.update(grads, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state
+    """
+    config = zero_config(config, options, what="jzero.shard_optimizer")
+    check_user_step(config, what="jzero.shard_optimizer")
+    opt = ZeroOptimizer(tx, mesh, config=config)  # checks tx, the mesh and the layout
+    layouts: dict[Any, UserLayout] = {}
+
+    def layout_of(tree: Any) -> UserLayout:
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        key = (jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)))
+        if key not in layouts:
+            layouts[key] = user_layout(opt, shapes)
+        return layouts[key]
+
+    mixed, twin = config.precision.mixed, compute_mesh(mesh)
+    on_twin = lambda tree, specs: _constrain(tree, specs, twin)
+    user_shardings = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+    def init_fn(params: optax.Params) -> optax.OptState:
+        check_leaves(params, "params", allow_empty=False)
+        lay = layout_of(params)
+        if config.stage == 3:
+            check_placed(params, lay.params, mesh)
+        specs = MasterWeightsState(lay.state, lay.master) if mixed else lay.state
+
+        def init(params):
+            if not mixed:
+                return tx.init(params)
+            master = jax.tree.map(_fp32, params)
+            return MasterWeightsState(tx.init(master), on_twin(master, lay.master))
+
+        return jax.jit(on_compute_mesh(init, mesh), out_shardings=user_shardings(specs))(params)
+
+    def update(grads, state, params, extra):
+        lay = layout_of(grads)
+        if config.stage >= 2:  # the compiler reduce-scatters instead of all-reducing
+            grads = on_twin(grads, lay.shards)
+        else:
+            grads = reshard(grads, lay.params, lay.shards, twin)
+        shards = None if params is None else reshard(params, lay.params, lay.shards, twin)
+        if not mixed:
+            updates, state = tx.update(grads, state, shards, **extra)
+            updates = reshard(on_twin(updates, lay.shards), lay.shards, lay.params, twin)
+            return updates, on_twin(state, lay.state)
+        inner, master = state
+        steps, inner = tx.update(jax.tree.map(_fp32, grads), inner, master, **extra)
+        master = on_twin(optax.apply_updates(master, steps), lay.master)
+        # Updates that take each parameter to its master's rounding (exact where the
+        # difference is: two nearby floats' difference always is).
+        updates = jax.tree.map(lambda m, p: m.astype(p.dtype) - p, master, shards)
+        state = MasterWeightsState(on_twin(inner, lay.state), master)
+        updates = reshard(on_twin(updates, lay.shards), lay.shards, lay.params, twin)
+        return updates, state
+
+    def program(grads, state, params, extra):
+        updates, state = on_compute_mesh(update, mesh)(grads, state, params, extra)
+        lay = layout_of(grads)
+        specs = MasterWeightsState(lay.state, lay.master) if mixed else lay.state
+        return typed(updates, user_shardings(lay.params)), typed(state, user_shardings(specs))
+
+    compiled_update = jax.jit(program)
+
+    def update_fn(grads, state, params=None, **extra):
+        check_update_args(grads, state, params, layout_of, mixed=mixed)
+        return compiled_update(grads, state, params, extra)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _fp32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    constrain = lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
+    return jax.tree.map(constrain, tree, specs)
+
+
+def check_update_args(grads: Any, state: Any, params: Any, layout_of: Any, *, mixed: bool) -> None:
+    """Raises where ``update``'s arguments cannot belong together: gradients whose tree or
+    shapes differ from the parameters', or from those the state was made for."""
+    check_leaves(grads, "grads", allow_empty=False)
+    if params is None and mixed:
+        raise ValueError(
+            "jzero.shard_optimizer with a 16-bit Precision keeps fp32 master weights and "
+            "returns the updates that take the parameters to them, so update needs the "
+            "parameters: call tx.update(grads, opt_state, params)."
+        )
+    if params is not None:
+        _same_shapes(grads, params)
+    lay = layout_of(grads)
+    inner = state.inner_state if mixed else state
+    want, got = jax.tree.structure(lay.state), jax.tree.structure(inner)
+    if want != got:
+        raise ValueError(
+            "the gradients' tree does not match the tree this optimizer state was made for "
+            f"(the state of such gradients would be {want}, the state given is {got}); pass "
+            "gradients of the same parameters that init received, e.g. "
+            "jax.grad(loss_fn)(params) of those params, and the state init returned."
+        )
+
+
+def _same_shapes(grads: Any, params: Any) -> None:
+    g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
+    if g_def != p_def:
+        raise ValueError(
+            f"the gradients' tree {g_def} differs from the parameters' {p_def}; pass the "
+            "gradients of exactly these parameters (jax.grad(loss_fn)(params))."
+        )
+    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for (path, g), p in zip(paths, jax.tree.leaves(params)):
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(
+                f"gradient {jax.tree_util.keystr(path)} has shape {tuple(g.shape)} but its "
+                f"parameter has {tuple(p.shape)}; pass the gradients of these parameters."
+            )
