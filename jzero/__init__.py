@@ -37,6 +37,7 @@ from .core.options.zero_config import ZeroConfig as ZeroConfig
 from .core.plan import Plan as Plan
 from .core.plan import ZeroState as ZeroState
 from .core.user_step.placement import shard_params as shard_params
+from .core.user_step.transformation import MasterWeightsState as MasterWeightsState
 from .core.user_step.transformation import shard_optimizer as shard_optimizer
 from .core.weighted import Weighted as Weighted
 

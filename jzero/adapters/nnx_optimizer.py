@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..core.mesh import fit_specs
 from ..core.options.layout import Layout
@@ -78,3 +79,5 @@ class Optimizer(nnx.Optimizer):
         if config.stage == 3:
             nnx.update(model, shard_params(state, mesh, layout=config.layout))
         super().__init__(model, shard_optimizer(tx, mesh, config=config), wrt=wrt, graph=graph)
+        # The step count lives on the mesh too, as the jitted update returns it.
+        self.step[...] = jax.device_put(self.step[...], NamedSharding(mesh, P()))

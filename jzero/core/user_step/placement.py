@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..input_checks import check_leaves
 from ..optimizer import ZeroOptimizer
@@ -62,3 +63,19 @@ def check_placed(params: Any, specs: Any, mesh: Mesh) -> None:
             "first with params = jzero.shard_params(params, mesh) (the same layout= as "
             "here), then call init and train with those."
         )
+
+
+def onto_mesh(tree: Any, mesh: Mesh) -> Any:
+    """Outside ``jit``: arrays on other devices than ``mesh``'s (e.g. gradients computed on
+    one device) copied onto it, replicated, so that they meet the sharded state; inside
+    ``jit`` (tracers) and on the mesh already, as they are."""
+    devices = set(mesh.devices.flat)
+
+    def onto(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        if x.sharding.device_set == devices:
+            return x
+        return jax.device_put(x, NamedSharding(mesh, P()))
+
+    return jax.tree.map(onto, tree)

@@ -28,7 +28,7 @@ from ..optimizer import ZeroOptimizer
 from ..options.zero_config import ZeroConfig, zero_config
 from .layout import UserLayout, user_layout
 from .manual_reshard import reshard
-from .placement import check_placed
+from .placement import check_placed, onto_mesh
 from .user_options import check_user_step
 
 
@@ -122,12 +122,10 @@ def shard_optimizer(
         inner, master = state
         steps, inner = tx.update(jax.tree.map(_fp32, grads), inner, master, **extra)
         master = on_twin(optax.apply_updates(master, steps), lay.master)
-        # Updates that take each parameter to its master's rounding (exact where the
-        # difference is: two nearby floats' difference always is).
-        updates = jax.tree.map(lambda m, p: m.astype(p.dtype) - p, master, shards)
+        rounded = jax.tree.map(lambda m, p: m.astype(p.dtype), master, shards)
+        rounded = reshard(on_twin(rounded, lay.shards), lay.shards, lay.params, twin)
         state = MasterWeightsState(on_twin(inner, lay.state), master)
-        updates = reshard(on_twin(updates, lay.shards), lay.shards, lay.params, twin)
-        return updates, state
+        return jax.tree.map(_exact_step, rounded, params), state
 
     def program(grads, state, params, extra):
         updates, state = on_compute_mesh(update, mesh)(grads, state, params, extra)
@@ -139,9 +137,18 @@ def shard_optimizer(
 
     def update_fn(grads, state, params=None, **extra):
         check_update_args(grads, state, params, layout_of, mixed=mixed)
+        grads, params = onto_mesh(grads, mesh), onto_mesh(params, mesh)
         return compiled_update(grads, state, params, extra)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _exact_step(new: jax.Array, old: jax.Array) -> jax.Array:
+    """The update ``optax.apply_updates`` turns ``old`` into ``new`` with, bitwise: for
+    16-bit floats their fp32 difference (exact; ``old + step`` rounds back to ``new``)."""
+    if jnp.issubdtype(old.dtype, jnp.floating) and jnp.finfo(old.dtype).bits < 32:
+        return new.astype(jnp.float32) - old.astype(jnp.float32)
+    return new - old
 
 
 def _fp32(x: jax.Array) -> jax.Array:
