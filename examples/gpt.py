@@ -42,14 +42,17 @@ class GPTConfig:
     mlp_ratio: int = 4
     dtype: Any = jnp.float32
     tied_head: bool = True  # output head = token embedding transposed
+    gather_mesh: Any = None  # jzero.gather(..., mesh=): stage 3 in your own jit step
 
 
 def gathered(module_cls: type[nn.Module], parent: nn.Module) -> Any:
-    """``module_cls`` whose ``'params'`` pass through :func:`jzero.gather` before use."""
+    """``module_cls`` whose ``'params'`` pass through :func:`jzero.gather` before use (with
+    the config's ``gather_mesh``: whole on it, for stage 3 in a user's own jit step)."""
+    gather = functools.partial(jzero.gather, mesh=parent.cfg.gather_mesh)
     return nn.map_variables(
         module_cls,
         "params",
-        trans_in_fn=jzero.gather,
+        trans_in_fn=gather,
         init=parent.is_initializing(),  # init: create plain params, nothing to gather
     )
 

@@ -8,7 +8,9 @@ layer by itself; ``zero3_prefetch``: that with ``Communication(prefetch=True)``,
 ``zero3_qgz``: ``Communication(grad_quant="int8")``, gradient reduce-scatters as int8
 all-to-alls with fp32 block scales; ``zero3_offload``: ``offload="optimizer"``, optimizer
 state in ``pinned_host``) and ``auto_fsdp`` (``jax.jit`` with parameters and optimizer
-state given ``NamedSharding``s over 'data', XLA choosing the collectives), with the same
+state given ``NamedSharding``s over 'data', XLA choosing the collectives) and
+``user_zero1``-``user_zero3`` (the user's own ``jax.jit`` step with
+``jzero.shard_optimizer``, XLA choosing the collectives and the outputs' layout), with the same
 initial parameters, data and ``optax.adamw``, and reports per device: model-state bytes
 (live arrays), compiled peak bytes, communication per step (optimized HLO, ring model),
 collectives per step and step time, each beside docs/design.md §1's theory where there is one.
@@ -61,7 +63,9 @@ Without an accelerator it runs on 8 forced CPU devices (``--cpu-devices``). Fiel
 - ``model_state_bytes_per_device``: params + optimizer state read from the live arrays'
   first addressable shard, plus gradients derived from the sharding plan (they are not
   alive between steps): full in stages 0/1, a shard in stages 2/3; ``auto_fsdp``: a shard
-  like its parameter. ``auto_fsdp``'s theory is stage 3's (it is FSDP).
+  like its parameter. ``auto_fsdp``'s theory is stage 3's (it is FSDP). ``user_zero*``:
+  gradients whole at stage 1, a shard at stages 2-3; their final loss is checked against
+  ``zero1``-``zero3``'s.
 - ``peak_bytes_per_device``: argument + output + temp - alias of ``memory_analysis()``
   (XLA:CPU: one memory, host buffers included). ``device_peak_bytes_per_device``,
   ``host_peak_bytes_per_device``: the compiled step's peak per memory space
@@ -129,8 +133,9 @@ class Run(NamedTuple):
 
     name: str
     stage: int  # the ZeRO stage (auto_fsdp: 3, the stage it is compared with)
-    step_options: dict[str, bool] | None  # jzero train_step keywords; None: plain-jit baseline
+    step_options: dict[str, bool] | None  # jzero train_step keywords; None: a plain-jit step
     opt_options: dict[str, Any] = {}  # ZeroOptimizer keywords beyond tx, mesh, stage
+    user_step: bool = False  # the user's own jit step with jzero.shard_optimizer
 
 
 def _comm(**fields: Any) -> dict[str, jzero.Communication]:
@@ -154,7 +159,11 @@ RUNS = (
     Run("zero3_qgz", 3, MANUAL, _comm(grad_quant="int8")),
     Run("zero3_offload", 3, MANUAL, {"offload": "optimizer"}),
     Run("auto_fsdp", 3, None),
+    Run("user_zero1", 1, None, user_step=True),
+    Run("user_zero2", 2, None, user_step=True),
+    Run("user_zero3", 3, None, user_step=True),
 )
+USER_BASES = {"user_zero1": "zero1", "user_zero2": "zero2", "user_zero3": "zero3"}
 # checked against zero3 (the rest against dp)
 ZERO3_VARIANTS = (
     "zero3_bucket", "zero3_auto", "zero3_prefetch", "zero3_int8", "zero3_fp8", "zero3_hpz",
@@ -398,6 +407,31 @@ def run_auto_fsdp(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict
     params = jax.jit(init_fn, out_shardings=param_shardings)()
     opt_shardings = shard(jax.eval_shape(tx.init, params))
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    shardings = (param_shardings, opt_shardings)
+    grads = _bytes_per_device(params)  # a shard like its parameter
+    return _run_jit_step(run, tx, (params, opt_state), shardings, grads, loss_fn, batches, warmup)
+
+
+def run_user_step(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict[str, Any]:
+    """The step a user writes with Optax, ``jzero.shard_optimizer`` in ``tx``'s place
+    (``jzero.shard_params`` first at stage 3); the compiler chooses the outputs' layout."""
+    sharded = jzero.shard_optimizer(tx, mesh, stage=run.stage)
+    params = jax.jit(init_fn, out_shardings=NamedSharding(mesh, P()))()
+    if run.stage == 3:
+        params = jzero.shard_params(params, mesh)
+    opt_state = sharded.init(params)
+    # Gradients: whole at stage 1, a shard like the stage-3 layout's at stages 2-3.
+    grads = _bytes_per_device(jzero.shard_params(params, mesh) if run.stage >= 2 else params)
+    carry = (params, opt_state)
+    return _run_jit_step(run, sharded, carry, None, grads, loss_fn, batches, warmup)
+
+
+def _run_jit_step(run: Run, tx, carry, shardings, grads, loss_fn, batches, warmup) -> dict:
+    """One plain ``jax.jit`` step of ``value_and_grad``, ``tx.update`` and
+    ``apply_updates`` over ``carry = (params, opt_state)``, donated; ``shardings``: its
+    in/out shardings (None: the compiler's choice); ``grads``: gradient bytes per device."""
+    params, opt_state = carry
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
     batch_sharding = jax.tree.map(lambda _: NamedSharding(mesh, P("data")), batches[0])
 
     def train_step(carry, batch):
@@ -406,28 +440,32 @@ def run_auto_fsdp(run: Run, tx, mesh, init_fn, loss_fn, batches, warmup) -> dict
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
 
-    state_shardings = (param_shardings, opt_shardings)
-    step = jax.jit(
-        train_step,
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
-    )
-    compiled = step.lower((params, opt_state), batches[0]).compile()
+    if shardings is None:
+        step = jax.jit(train_step, donate_argnums=0)
+    else:
+        step = jax.jit(
+            train_step,
+            in_shardings=(shardings, batch_sharding),
+            out_shardings=(shardings, NamedSharding(mesh, P())),
+            donate_argnums=0,
+        )
+    compiled = step.lower(carry, batches[0]).compile()
     mem = compiled.memory_analysis()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
     peak -= mem.alias_size_in_bytes
     psi = sum(x.size for x in jax.tree.leaves(params))
     param_total, opt_total = _total_bytes(params), _total_bytes(opt_state)
-    states = 2 * _bytes_per_device(params) + _bytes_per_device(opt_state)  # grads: as params
+    states = _bytes_per_device(params) + grads + _bytes_per_device(opt_state)
     theory_states = theory_model_state_bytes(
-        params=psi, devices=n, stage=3, param_bytes=param_total / psi,
+        params=psi, devices=mesh.shape["data"], stage=run.stage, param_bytes=param_total / psi,
         grad_bytes=param_total / psi, opt_bytes=opt_total / psi,
     )  # fmt: skip
     text = compiled.as_text()
     colls = collectives(text)
-    theory_comm = theory_comm_bytes(stage=3, param_bytes_S=param_total, devices=n)
-    _, losses, times = _timed(step, (params, opt_state), batches, warmup)
+    theory_comm = theory_comm_bytes(
+        stage=run.stage, param_bytes_S=param_total, devices=mesh.shape["data"]
+    )
+    _, losses, times = _timed(step, carry, batches, warmup)
     return _run_fields(
         run, losses, times, host=0, states=states, theory_states=theory_states, peak=peak,
         spaces=of_compiled(compiled, text), comm=comm_bytes(colls), theory_comm=theory_comm,
@@ -633,10 +671,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         {"tokens": jax.device_put(next(stream)["tokens"] % args.vocab, data_sharding)}
         for _ in range(args.warmup + args.steps)
     ]
+    # The user's own step gathers each layer where it uses it (jzero.gather(..., mesh=)).
+    user_loss_fn = gpt.make_loss_fn(dataclasses.replace(cfg, gather_mesh=mesh))
     wanted = args.runs.split(",")
     runs = []
     for run in RUNS:
-        if run.name in wanted:
+        if run.name in wanted and run.user_step:
+            runs.append(run_user_step(run, tx, mesh, init_fn, user_loss_fn, batches, args.warmup))
+        elif run.name in wanted:
             measure = run_zero if run.step_options is not None else run_auto_fsdp
             runs.append(measure(run, tx, mesh, init_fn, loss_fn, batches, args.warmup))
     name = f"gpt-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}-T{cfg.seq_len}-V{cfg.vocab_size}"
@@ -808,8 +850,8 @@ def checks(result: dict[str, Any], *, quick: bool = False) -> list[str]:
             if name in runs:
                 t = runs[name]["step_ms_median"] / dp["step_ms_median"]
                 found.append(("time", t <= 1.10, f"{name} time / dp {t:.3f} <= 1.10"))
-    for name, r in runs.items():  # zero3's variants against zero3, the rest against dp
-        base = "zero3" if name in ZERO3_VARIANTS else "dp"
+    for name, r in runs.items():  # zero3's variants against zero3, the user's steps
+        base = "zero3" if name in ZERO3_VARIANTS else USER_BASES.get(name, "dp")  # theirs
         if name != base and base in runs:
             d = abs(r["loss_last"] - runs[base]["loss_last"]) / abs(runs[base]["loss_last"])
             tol = LOSS_TOL.get(name, LOSS_TOL_DEFAULT)

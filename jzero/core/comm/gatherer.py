@@ -19,11 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
 
 from ..leaf_layout import LeafLayout
 from ..mesh import DATA
 from ..options.communication import Quant
 from ..options.zero_config import ZeroConfig
+from ..user_step.gather import whole_over_data
 from .buckets import all_gather_flat, flat_shards, leaves_of_rows
 from .collectives import GATHERED, all_gather, on_device
 from .hpz import SECONDARY, gather_group, gather_secondary
@@ -263,7 +265,7 @@ def gather_each(tree: Any) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_sharded)
 
 
-def gather(tree: Any) -> Any:
+def gather(tree: Any, *, mesh: Mesh | None = None) -> Any:
     """Full parameters from a tree that may hold :class:`Sharded` handles.
 
     Inside a loss function given to ``ZeroOptimizer.train_step(..., manual_gather=True)``,
@@ -271,6 +273,12 @@ def gather(tree: Any) -> Any:
     of a ``lax.scan`` over stacked layers): stage 3 then all-gathers one layer at a time and
     backward gathers it again. Outside stages 2/3, and on plain arrays, it returns its
     input unchanged, so the same loss function serves every stage.
+
+    In your own ``jit`` step at stage 3 (:func:`jzero.shard_optimizer`), pass the ``mesh``:
+    plain arrays are then constrained whole where the layer uses them, so the compiler
+    gathers the layer's parameters instead of resharding its activations
+    (:mod:`jzero.core.user_step.gather`). The mesh may have no other axes than ``data`` and
+    ``replica``; inside jzero's own step ``mesh`` changes nothing.
 
     Examples:
         >>> def loss_fn(params, batch):
@@ -281,4 +289,5 @@ def gather(tree: Any) -> Any:
         ...     return jnp.mean((x - batch['y']) ** 2)
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
-    return jax.tree.unflatten(treedef, _gather_leaves(leaves))
+    tree = jax.tree.unflatten(treedef, _gather_leaves(leaves))
+    return tree if mesh is None else whole_over_data(tree, mesh)

@@ -16,11 +16,15 @@ What XLA:CPU compiles, per step (S: the parameters' bytes, N = 8, ring model):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _lm import gpt
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -112,3 +116,49 @@ def test_the_optimizer_state_per_device_is_the_estimate(stage):
     assert per_device == sum(
         x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(own.opt_state)
     )
+
+
+def _gpt_step_collectives(stage3_step, cfg):
+    from _lm import gpt
+
+    init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(0))
+    mesh = jzero.data_mesh()
+    tokens = jax.random.randint(jax.random.key(1), (16, cfg.seq_len + 1), 0, cfg.vocab_size)
+    batch = {"tokens": jax.device_put(tokens, NamedSharding(mesh, P("data")))}
+    return collectives(stage3_step(init_fn, gpt.make_loss_fn(cfg), mesh, batch))
+
+
+def _user_stage3(init_fn, loss_fn, mesh, batch):
+    tx = jzero.shard_optimizer(optax.adamw(1e-3), mesh, stage=3)
+    params = jzero.shard_params(jax.jit(init_fn)(), mesh)
+    opt_state = tx.init(params)
+
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    return step.lower(params, opt_state, batch).compile().as_text()
+
+
+def _own_stage3(init_fn, loss_fn, mesh, batch):
+    opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=3)
+    state = opt.init(init_fn=init_fn)
+    step = opt.train_step(loss_fn, manual_gather=True)
+    return step.lower(state, batch).compile().as_text()
+
+
+def test_gather_with_the_mesh_makes_the_compiler_gather_layers_as_zero3_does():
+    """The example GPT (scanned, rematerialised blocks that call ``jzero.gather``) at stage 3.
+    Without the mesh the compiler keeps weights sharded and reshards activations (all-to-alls,
+    collective-permutes); with ``jzero.gather(..., mesh=mesh)`` it all-gathers exactly the
+    bytes jzero's own stage 3 gathers: each layer in forward and again in backward."""
+    cfg = gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)
+    plain = _gpt_step_collectives(_user_stage3, cfg)
+    assert {c.kind for c in plain} - {"all-gather", "all-reduce"}  # activations resharded
+    mesh = jzero.data_mesh()
+    gathered = _gpt_step_collectives(_user_stage3, dataclasses.replace(cfg, gather_mesh=mesh))
+    assert {c.kind for c in gathered} == {"all-gather", "all-reduce"}
+    own = _gpt_step_collectives(_own_stage3, cfg)
+    assert comm_bytes(gathered)["all-gather"] == comm_bytes(own)["all-gather"]
