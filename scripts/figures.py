@@ -173,6 +173,35 @@ def bench_ratios_md(bench: dict[str, Any]) -> str:
     return "\n".join(f"- {line}." for line in lines)
 
 
+def user_step_md(bench: dict[str, Any]) -> str:
+    """Per stage, jzero's own step (``zeroN``) beside the user's own ``jit`` step with
+    ``jzero.shard_optimizer`` (``user_zeroN``), where the JSON holds both."""
+    runs = {r["name"]: r for r in bench["runs"]}
+    head = ("stage", "step", "ms/step", "peak MB", "sent MB", "all-gather MB", "collectives",
+            "final loss")  # fmt: skip
+    rows = [head]
+    for stage in (1, 2, 3):
+        for name, what in ((f"zero{stage}", "jzero's"), (f"user_zero{stage}", "your jit")):
+            if name in runs:
+                r = runs[name]
+                comm = r["comm_bytes_per_device"]
+                rows.append((
+                    str(stage), what, f"{r['step_ms_median']:.1f}",
+                    _mb(r["peak_bytes_per_device"]), _mb(comm["total"]),
+                    _mb(comm["all-gather"]), str(r["collectives_per_step"]),
+                    f"{r['loss_last']:.6f}",
+                ))  # fmt: skip
+    if len(rows) == 1:
+        return "The benchmark JSON holds no user-step runs (`user_zero1`-`user_zero3`)."
+    key = (
+        "Per device, MB = 1e6 bytes: compiled peak (XLA:CPU's memory analysis), bytes sent "
+        "per step (ring model) and the all-gathers' share, collectives per step, median "
+        "step time. `your jit`: `jzero.shard_optimizer` in a plain `jax.jit` step, the "
+        "example GPT's blocks gathering with `jzero.gather(..., mesh=)`."
+    )
+    return _md_table(rows) + "\n\n" + key
+
+
 def bench_targets_md(bench: dict[str, Any]) -> str:
     """``scripts/bench.py``'s own PASS/FAIL checks, run on the committed numbers."""
     checks = _load_script("bench").checks(bench)
@@ -645,6 +674,7 @@ def generate(out: Path) -> list[Path]:
         "bench_stages.md": bench_runs_md(bench, STAGE_RUNS),
         "bench_variants.md": bench_runs_md(bench, _stage3_runs(bench)),
         "bench_ratios.md": bench_ratios_md(bench),
+        "bench_user_step.md": user_step_md(bench),
         "bench_targets.md": bench_targets_md(bench),
         "bench_checkpoint.md": checkpoint_md(bench["checkpoint"]),
         "max_model.md": max_model_md(mm),

@@ -79,68 +79,89 @@ def shard_optimizer(
     """
     config = zero_config(config, options, what="jzero.shard_optimizer")
     check_user_step(config, what="jzero.shard_optimizer")
-    opt = ZeroOptimizer(tx, mesh, config=config)  # checks tx, the mesh and the layout
-    layouts: dict[Any, UserLayout] = {}
+    sharded = _ShardedTransformation(tx, mesh, config)
+    return optax.GradientTransformationExtraArgs(sharded.init, sharded.update)
 
-    def layout_of(tree: Any) -> UserLayout:
+
+class _ShardedTransformation:
+    """``shard_optimizer``'s two functions, over one configuration and mesh."""
+
+    def __init__(self, tx: optax.GradientTransformation, mesh: Mesh, config: ZeroConfig):
+        self.tx, self.mesh, self.config = tx, mesh, config
+        self.opt = ZeroOptimizer(tx, mesh, config=config)  # checks tx, the mesh, the layout
+        self.twin, self.mixed = compute_mesh(mesh), config.precision.mixed
+        self.layouts: dict[Any, UserLayout] = {}
+        self.program = jax.jit(self._program)
+
+    def layout(self, tree: Any) -> UserLayout:
+        """The specs of a parameter (or gradient) tree like ``tree``, computed once."""
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
         key = (jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)))
-        if key not in layouts:
-            layouts[key] = user_layout(opt, shapes)
-        return layouts[key]
+        if key not in self.layouts:
+            self.layouts[key] = user_layout(self.opt, shapes)
+        return self.layouts[key]
 
-    mixed, twin = config.precision.mixed, compute_mesh(mesh)
-    on_twin = lambda tree, specs: _constrain(tree, specs, twin)
-    user_shardings = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    def _on_twin(self, tree: Any, specs: Any) -> Any:
+        return _constrain(tree, specs, self.twin)
 
-    def init_fn(params: optax.Params) -> optax.OptState:
+    def _shardings(self, specs: Any) -> Any:
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+
+    def _state_specs(self, lay: UserLayout) -> Any:
+        return MasterWeightsState(lay.state, lay.master) if self.mixed else lay.state
+
+    def init(self, params: optax.Params) -> optax.OptState:
         check_leaves(params, "params", allow_empty=False)
-        lay = layout_of(params)
-        if config.stage == 3:
-            check_placed(params, lay.params, mesh)
-        specs = MasterWeightsState(lay.state, lay.master) if mixed else lay.state
+        lay = self.layout(params)
+        if self.config.stage == 3:
+            check_placed(params, lay.params, self.mesh)
 
         def init(params):
-            if not mixed:
-                return tx.init(params)
+            if not self.mixed:
+                return self.tx.init(params)
             master = jax.tree.map(_fp32, params)
-            return MasterWeightsState(tx.init(master), on_twin(master, lay.master))
+            return MasterWeightsState(self.tx.init(master), self._on_twin(master, lay.master))
 
-        return jax.jit(on_compute_mesh(init, mesh), out_shardings=user_shardings(specs))(params)
+        out = self._shardings(self._state_specs(lay))
+        return jax.jit(on_compute_mesh(init, self.mesh), out_shardings=out)(params)
 
-    def update(grads, state, params, extra):
-        lay = layout_of(grads)
-        if config.stage >= 2:  # the compiler reduce-scatters instead of all-reducing
-            grads = on_twin(grads, lay.shards)
+    def update(self, grads, state, params=None, **extra):
+        check_update_args(grads, state, params, self.layout, mixed=self.mixed)
+        grads, params = onto_mesh(grads, self.mesh), onto_mesh(params, self.mesh)
+        return self.program(grads, state, params, extra)
+
+    def _program(self, grads, state, params, extra):
+        """The update, jitted (inlined into the caller's ``jit``), typed on the user's mesh."""
+        updates, state = on_compute_mesh(self._update, self.mesh)(grads, state, params, extra)
+        lay = self.layout(grads)
+        updates = typed(updates, self._shardings(lay.params))
+        return updates, typed(state, self._shardings(self._state_specs(lay)))
+
+    def _update(self, grads, state, params, extra):
+        """On the ``Auto`` twin: gradients and parameters onto the shards, the update there,
+        the updates back in the parameters' layout."""
+        lay, twin = self.layout(grads), self.twin
+        if self.config.stage >= 2:  # the compiler reduces onto the shards
+            grads = self._on_twin(grads, lay.shards)
         else:
             grads = reshard(grads, lay.params, lay.shards, twin)
         shards = None if params is None else reshard(params, lay.params, lay.shards, twin)
-        if not mixed:
-            updates, state = tx.update(grads, state, shards, **extra)
-            updates = reshard(on_twin(updates, lay.shards), lay.shards, lay.params, twin)
-            return updates, on_twin(state, lay.state)
+        if self.mixed:
+            return self._master_update(grads, state, params, shards, extra)
+        updates, state = self.tx.update(grads, state, shards, **extra)
+        updates = reshard(self._on_twin(updates, lay.shards), lay.shards, lay.params, twin)
+        return updates, self._on_twin(state, lay.state)
+
+    def _master_update(self, grads, state, params, shards, extra):
+        """The update of the fp32 master; updates that move ``params`` to its rounding."""
+        lay = self.layout(grads)
         inner, master = state
-        steps, inner = tx.update(jax.tree.map(_fp32, grads), inner, master, **extra)
-        master = on_twin(optax.apply_updates(master, steps), lay.master)
+        steps, inner = self.tx.update(jax.tree.map(_fp32, grads), inner, master, **extra)
+        master = self._on_twin(optax.apply_updates(master, steps), lay.master)
         rounded = jax.tree.map(lambda m, p: m.astype(p.dtype), master, shards)
-        rounded = reshard(on_twin(rounded, lay.shards), lay.shards, lay.params, twin)
-        state = MasterWeightsState(on_twin(inner, lay.state), master)
+        rounded = reshard(self._on_twin(rounded, lay.shards), lay.shards, lay.params, self.twin)
+        state = MasterWeightsState(self._on_twin(inner, lay.state), master)
         return jax.tree.map(_exact_step, rounded, params), state
-
-    def program(grads, state, params, extra):
-        updates, state = on_compute_mesh(update, mesh)(grads, state, params, extra)
-        lay = layout_of(grads)
-        specs = MasterWeightsState(lay.state, lay.master) if mixed else lay.state
-        return typed(updates, user_shardings(lay.params)), typed(state, user_shardings(specs))
-
-    compiled_update = jax.jit(program)
-
-    def update_fn(grads, state, params=None, **extra):
-        check_update_args(grads, state, params, layout_of, mixed=mixed)
-        grads, params = onto_mesh(grads, mesh), onto_mesh(params, mesh)
-        return compiled_update(grads, state, params, extra)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _exact_step(new: jax.Array, old: jax.Array) -> jax.Array:
