@@ -745,7 +745,8 @@ def table(result: dict[str, Any], *, quick: bool = False) -> str:
 QUICK_TARGETS = ("states", "comm", "collectives", "loss", "host")
 QUICK_CHECKS = (
     "states/theory (zero1-3), comm/theory (dp, zero1, zero2), zero3_bucket collectives per "
-    "layer, final loss vs dp (zero3's variants: vs zero3), zero3_offload host bytes"
+    "layer, final loss vs dp (zero3's variants: vs zero3; user_zero1-3: vs zero1-3), "
+    "zero3_offload host bytes"
 )
 QUICK_SKIPS = (
     "--quick skips the peak, step-time, zero3 comm, zero3_int8 all-gather and zero3_qgz "

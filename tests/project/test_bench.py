@@ -23,8 +23,10 @@ BENCH = ROOT / "scripts" / "bench.py"
 RUN_NAMES = [
     "dp", "zero1", "zero2", "zero3", "zero3_bucket", "zero3_auto", "zero3_prefetch",
     "zero3_int8", "zero3_fp8", "zero3_hpz", "zero3_qgz", "zero3_offload", "auto_fsdp",
+    "user_zero1", "user_zero2", "user_zero3",
 ]  # fmt: skip
-RUN_STAGES = [0, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]
+RUN_STAGES = [0, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 1, 2, 3]
+PLAIN_JIT = ("auto_fsdp", "user_zero1", "user_zero2", "user_zero3")  # XLA places collectives
 MANUAL = {"manual_gather": True}
 RUN_OPTIONS = {  # train_step (and ZeroOptimizer) keywords of each run; auto_fsdp: plain jit
     "dp": MANUAL,
@@ -40,6 +42,9 @@ RUN_OPTIONS = {  # train_step (and ZeroOptimizer) keywords of each run; auto_fsd
     "zero3_qgz": {**MANUAL, "comm": {"grad_quant": "int8", "quant_block": 256}},
     "zero3_offload": {**MANUAL, "offload": "optimizer"},
     "auto_fsdp": {},
+    "user_zero1": {},
+    "user_zero2": {},
+    "user_zero3": {},
 }
 RUN_FIELDS = {
     "name": str,
@@ -65,8 +70,8 @@ RUN_FIELDS = {
 COMM_KEYS = {"all-reduce", "reduce-scatter", "all-gather", "other", "total"}
 QUICK_HEAD = (
     "--quick checks states/theory (zero1-3), comm/theory (dp, zero1, zero2), zero3_bucket "
-    "collectives per layer, final loss vs dp (zero3's variants: vs zero3), zero3_offload host "
-    "bytes:"
+    "collectives per layer, final loss vs dp (zero3's variants: vs zero3; user_zero1-3: vs "
+    "zero1-3), zero3_offload host bytes:"
 )
 QUICK_TAIL = (
     "--quick skips the peak, step-time, zero3 comm, zero3_int8 all-gather and zero3_qgz "
@@ -95,6 +100,9 @@ QUICK_LINES = [
     "zero3_qgz final loss rel. diff vs zero3",  # then " <= 0.001"
     "zero3_offload final loss rel. diff vs zero3",  # then " (bitwise)"
     "auto_fsdp final loss rel. diff vs dp",
+    "user_zero1 final loss rel. diff vs zero1",
+    "user_zero2 final loss rel. diff vs zero2",
+    "user_zero3 final loss rel. diff vs zero3",
 ]  # then "zero3_bucket collectives ...", "zero3_offload host bytes ..." and "... device peak ..."
 LOSS_BOUNDS = {
     "zero3_int8": " <= 0.05",
@@ -176,14 +184,14 @@ def test_bench_json_schema_and_quick_targets(tmp_path, capsys):
         assert math.isfinite(run["loss_first"]) and math.isfinite(run["loss_last"])
         gathers = run["all_gather_bytes_by_dtype"]
         assert sum(gathers.values()) == pytest.approx(comm["all-gather"]), run["name"]
-        if run["name"] != "auto_fsdp":  # XLA's partitioner also gathers s32/pred indices
+        if run["name"] not in PLAIN_JIT:  # XLA's partitioner also gathers s32/pred indices
             quantized = {"zero3_int8": {"s8"}, "zero3_fp8": {"u8"}}.get(run["name"], set())
             jzero_dtypes = {"f32"} | quantized
             assert set(gathers) <= jzero_dtypes, run["name"]
         if run["name"] != "zero3_offload":
             assert run["host_bytes_per_device"] == 0, run["name"]
         a2a = run["all_to_all_bytes_by_dtype"]
-        if run["name"] != "auto_fsdp":  # XLA's partitioner may add all-to-alls, permutes
+        if run["name"] not in PLAIN_JIT:  # XLA's partitioner may add all-to-alls, permutes
             assert sum(a2a.values()) == comm["other"], run["name"]  # jzero: no permutes
             assert bool(a2a) == (run["name"] == "zero3_qgz"), run["name"]
     # The same model, data and optimizer in every run: the same first loss (zero3_int8's

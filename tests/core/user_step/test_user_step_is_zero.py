@@ -162,3 +162,21 @@ def test_gather_with_the_mesh_makes_the_compiler_gather_layers_as_zero3_does():
     assert {c.kind for c in gathered} == {"all-gather", "all-reduce"}
     own = _gpt_step_collectives(_own_stage3, cfg)
     assert comm_bytes(gathered)["all-gather"] == comm_bytes(own)["all-gather"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gather_with_the_mesh_changes_nothing_in_jzeros_own_step(stage):
+    """One loss serves both steps: inside jzero's ``shard_map`` the mesh is ignored."""
+    cfg = gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)
+    mesh = jzero.data_mesh()
+    tokens = jax.random.randint(jax.random.key(1), (16, cfg.seq_len + 1), 0, cfg.vocab_size)
+    batch = {"tokens": jax.device_put(tokens, NamedSharding(mesh, P("data")))}
+    losses = []
+    for c in (cfg, dataclasses.replace(cfg, gather_mesh=mesh)):
+        opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=stage)
+        state = opt.init(init_fn=functools.partial(gpt.init_params, c, jax.random.key(0)))
+        step = opt.train_step(gpt.make_loss_fn(c), manual_gather=True)
+        for _ in range(2):
+            state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == losses[1]
