@@ -235,3 +235,34 @@ def test_the_awkward_model_trains_in_a_user_step_at_every_stage_alike():
         results.append(params)
     for other in results[1:]:
         assert_tree_close(other, results[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_model_axis_beside_data_keeps_the_users_specs(stage):
+    """``param_specs`` over a ``model`` axis (and, the same way, logical ``rules``) as
+    ``ZeroOptimizer`` reads them: the state adds ``data`` beside ``model``, the parameters
+    keep their ``model`` split, and the numbers are the data-only mesh's."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    layout = jzero.Layout(param_specs={"w": P(None, "model"), "v": P("model", None)})
+    tx = jzero.shard_optimizer(optax.adam(1e-2), mesh, stage=stage, param_specs=layout.param_specs)
+    specs = {"w": P(None, "model"), "v": P("model", None)}
+    params = jax.device_put(_params(), {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    if stage == 3:
+        params = jzero.shard_params(params, mesh, layout=layout)
+    state = tx.init(params)
+    assert state[0].mu["w"].sharding.spec == P("data", "model")
+    assert state[0].mu["v"].sharding.spec == P("model", "data")
+
+    @jax.jit
+    def step(params, state, batch):
+        updates, state = tx.update(jax.grad(_loss)(params, batch), state, params)
+        return optax.apply_updates(params, updates), state
+
+    batch = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
+    params, state = step(params, state, batch)
+    want = {"w": P("data", "model"), "v": P("model", "data")} if stage == 3 else specs
+    assert {k: v.sharding.spec for k, v in params.items()} == want
+    ref = optax.adam(1e-2)
+    ref_params = _params()
+    updates, _ = ref.update(jax.grad(_loss)(ref_params, _batch()), ref.init(ref_params), ref_params)
+    assert_tree_close(params, optax.apply_updates(ref_params, updates), rtol=1e-6, atol=1e-6)
