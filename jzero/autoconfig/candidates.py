@@ -1,11 +1,12 @@
 """The configurations the search weighs, and the micro-batch arithmetic behind them.
 
 A candidate is a :class:`jzero.ZeroConfig` -- a stage, an offload (none, or the optimizer
-step on the host), per-layer recompute or not, buckets and prefetch on or off, a gradient
-accumulation -- derived from the user's own (their layout, precision and step options
-stay). Gradient accumulation makes up the global batch: ``rows = micro x accum x devices``,
-so every candidate trains on the same global batch, with the same numerics as
-single-device Optax on it.
+step on the host for the whole state or, ZeRO-Offload++'s partial offload, about half of
+it; with ``delay`` allowed, ZeRO-Offload's delayed update too), per-layer recompute or not,
+buckets and prefetch on or off, a gradient accumulation -- derived from the user's own
+(their layout, precision and step options stay). Gradient accumulation makes up the
+global batch: ``rows = micro x accum x devices``, so every candidate trains on the same
+global batch, with the same numerics as single-device Optax on it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 
 import jax
 
-from ..core.options.offload import Offload
+from ..core.options.offload import Offload, offloaded_leaves
 from ..core.options.zero_config import ZeroConfig
 
 RECOMPUTE = jax.checkpoint_policies.nothing_saveable
@@ -46,13 +47,24 @@ class Shape:
     """What a candidate is, apart from its accumulation (a group compiled together)."""
 
     stage: int
-    offload: bool  # the optimizer step on the host
+    host: float  # the share of the optimizer state updated on the host (0: none)
     recompute: bool  # stage 3: per-layer recompute
+    delay: bool = False  # ZeRO-Offload's delayed parameter update (Offload(delay=1))
+
+    @classmethod
+    def of(cls, config: ZeroConfig) -> Shape:
+        """The shape of a candidate's configuration."""
+        offload = config.offload
+        host = offload.ratio if offload.optimizer == "host" else 0.0
+        recompute = config.step.remat_policy is RECOMPUTE
+        return cls(config.stage, host, recompute, bool(offload.delay))
 
     def config(self, base: ZeroConfig, *, accum: int, bucket: bool, prefetch: bool):
         """``base`` with this shape's stage, offload and recompute, and these collectives."""
         comm = dataclasses.replace(base.comm, bucket=bucket, prefetch=prefetch)
-        offload = Offload(optimizer="host") if self.offload else Offload()
+        offload = Offload()
+        if self.host:
+            offload = Offload(optimizer="host", ratio=self.host, delay=int(self.delay))
         policy = RECOMPUTE if self.recompute else base.step.remat_policy
         step = dataclasses.replace(base.step, grad_accum=accum, remat_policy=policy)
         return ZeroConfig(
@@ -61,15 +73,32 @@ class Shape:
         )  # fmt: skip
 
 
-def shapes(base: ZeroConfig, *, stages, offload: bool) -> Iterator[Shape]:
+def shapes(
+    base: ZeroConfig, *, stages, offload: bool, partial: float | None = None, delay: bool = False
+) -> Iterator[Shape]:
     """Every shape worth compiling: each stage, with and without the host optimizer step
-    (stages 1-3, when ``offload``), stage 3 with and without per-layer recompute (when its
-    default gathering runs: not with ``manual_gather``)."""
+    (stages 1-3, when ``offload``: the whole state, and the ``partial`` share, a leaf
+    boundary near half, when there is one; with ``delay``, the whole state's delayed update
+    too), stage 3 with and without per-layer recompute (when its default gathering runs:
+    not with ``manual_gather``)."""
     recompute = not base.step.manual_gather
+    hosts = [(0.0, False)]
+    if offload:
+        hosts += [(partial, False)] if partial else []
+        hosts += [(1.0, False)] + ([(1.0, True)] if delay else [])
     for stage in stages:
-        for host in (False, True) if offload and stage >= 1 else (False,):
+        for host, late in hosts if stage >= 1 else hosts[:1]:
             for again in (False, True) if stage == 3 and recompute else (False,):
-                yield Shape(stage, host, again)
+                yield Shape(stage, host, again, late)
+
+
+def partial_share(sizes: list[int], near: float = 0.5) -> float | None:
+    """The share of the parameters a partial offload near ``near`` updates on the host: a
+    whole number of leaves (``Offload.ratio`` at it splits exactly there); None when no
+    split lies strictly between none and all."""
+    chosen = offloaded_leaves(sizes, near)
+    share = sum(n for n, on in zip(sizes, chosen) if on) / max(sum(sizes), 1)
+    return share if 0 < share < 1 else None
 
 
 def collective_variants(base: ZeroConfig, stage: int) -> tuple[tuple[bool, bool], ...]:
@@ -85,7 +114,10 @@ def collective_variants(base: ZeroConfig, stage: int) -> tuple[tuple[bool, bool]
 def describe(config: ZeroConfig) -> str:
     """A candidate's short name, e.g. ``zero3 host recompute bucket prefetch accum=4``."""
     parts = [f"zero{config.stage}"]
-    parts += ["host"] if config.offload.optimizer == "host" else []
+    offload = config.offload
+    if offload.optimizer == "host":
+        parts += ["host" if offload.ratio == 1 else f"host{offload.ratio:.2f}"]
+        parts += ["delay"] if offload.delay else []
     parts += ["recompute"] if config.step.remat_policy is RECOMPUTE else []
     parts += ["bucket"] if config.comm.bucket else []
     parts += ["prefetch"] if config.comm.prefetch else []

@@ -11,10 +11,12 @@ many small collectives cost more than one bucket of the same bytes), ``B`` the r
 per second of an all-gather over the mesh's ``data`` axis at the sizes a leaf's gather has
 (1-4 MB gathered), ``H`` the bytes per second of copies
 between device and pinned host memory, ``U`` the bytes per second the host reads and writes
-in an elementwise update (the host optimizer step). The terms are added, not overlapped:
-a conservative model that orders configurations by what they spend, which is what the
-search needs. :func:`calibrate` measures the four rates once per machine (a few seconds;
-the best of a few repeats of each probe after a warm-up).
+in an elementwise update, measured as the host optimizer step runs it (a host computation
+on every device's shard at once, donated). The terms are added, not overlapped: a
+conservative model that orders configurations by what they spend, which is what the search
+needs; only ZeRO-Offload's delayed update, whose host work runs beside the next step's
+device work, takes the longer of the two. :func:`calibrate` measures the rates once per
+machine (a few seconds; the best of a few repeats of each probe after a warm-up).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from ..internal import host_compute
 
 _MATMUL = 512  # the probe's square matmul, per device
 _SYNC_MATMUL = 128  # the compute between the latency probe's collectives, per device
@@ -53,15 +57,21 @@ class DeviceModel(NamedTuple):
         host_update_bytes: float = 0.0,
         *,
         collectives: float = 0.0,
+        overlapped: bool = False,
     ) -> float:
-        """The predicted seconds of one step that spends these per device."""
-        return (
+        """The predicted seconds of one step that spends these per device; ``overlapped``:
+        the host's copies and update run beside the device's work (ZeRO-Offload's delayed
+        update), so the step takes the longer of the two."""
+        device = (
             flops / self.flops_per_s
             + collectives * self.collective_s
             + collective_bytes / self.collective_bytes_per_s
-            + host_copy_bytes / self.host_copy_bytes_per_s
+        )
+        host = (
+            host_copy_bytes / self.host_copy_bytes_per_s
             + host_update_bytes / self.host_update_bytes_per_s
         )
+        return max(device, host) if overlapped else device + host
 
 
 def calibrate(mesh: Mesh, *, repeats: int = 3) -> DeviceModel:
@@ -71,7 +81,7 @@ def calibrate(mesh: Mesh, *, repeats: int = 3) -> DeviceModel:
         collective_s=_collective_time(mesh, repeats),
         collective_bytes_per_s=_gather_rate(mesh, repeats),
         host_copy_bytes_per_s=_copy_rate(mesh, repeats),
-        host_update_bytes_per_s=_update_rate(repeats),
+        host_update_bytes_per_s=_update_rate(mesh, repeats),
     )
 
 
@@ -161,7 +171,31 @@ def _copy_rate(mesh: Mesh, repeats: int) -> float:
     return 2 * _COPY_BYTES / _best(lambda: jax.device_put(jax.device_put(x, host), back), repeats)
 
 
-def _update_rate(repeats: int) -> float:
+def _update_rate(mesh: Mesh, repeats: int) -> float:
+    """Bytes per second, per device, of an elementwise update as the host optimizer step
+    runs it: a host computation (``compute_on``) on every device's shard of arrays in
+    pinned host memory at once, donated. Where the backend has no host memory or JAX no
+    ``compute_on`` of jzero's form, a NumPy update on one core (offload is refused there)."""
+    device = mesh.devices.flat[0]
+    if "pinned_host" not in [m.kind for m in device.addressable_memories()] or (
+        host_compute.unavailable() is not None
+    ):
+        return _numpy_update_rate(repeats)
+    host = NamedSharding(mesh, P(mesh.axis_names), memory_kind="pinned_host")
+    shape = (mesh.devices.size * _COPY_BYTES // 4,)
+    moment, grad = (jax.device_put(jnp.ones(shape, jnp.float32), host) for _ in range(2))
+    update = host_compute.on_host(jax.jit(lambda m, g: 0.9 * m + g, donate_argnums=(0,)))
+    step = jax.jit(update, donate_argnums=(0,), out_shardings=host)
+    carry = [moment]
+
+    def run():
+        carry[0] = step(carry[0], grad)
+        return carry[0]
+
+    return 3 * _COPY_BYTES / _best(run, repeats)  # per device: two reads and a write
+
+
+def _numpy_update_rate(repeats: int) -> float:
     a = np.ones(_COPY_BYTES // 4, np.float32)
     b = np.ones_like(a)
     out = np.empty_like(a)

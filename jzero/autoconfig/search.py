@@ -3,7 +3,9 @@ chosen by the compiler without a trial run.
 
 The search, for a loss, its parameters, a global batch and a mesh:
 
-1. **Prune with the estimator.** Per stage and offload, the model states alone
+1. **Prune with the estimator.** Per stage and offload (none; the optimizer step on the
+   host for the whole state, or for a share near half of it, ZeRO-Offload++'s partial
+   offload; with ``allow_delay``, ZeRO-Offload's delayed update), the model states alone
    (:func:`jzero.estimate`, with the Optax state's own bytes per parameter) must fit the
    device budget; a shape that cannot is dropped without compiling.
 2. **Compile the plausible few**, ahead of time on abstract values (nothing runs): per
@@ -16,9 +18,11 @@ The search, for a loss, its parameters, a global batch and a mesh:
    (:func:`jzero.accounting.dot_flops`, loops counted per run), plus the bytes an
    offloaded optimizer moves and updates on the host (from its plan).
 4. **Predict** each step's time with a :class:`.device_model.DeviceModel`, calibrated once
-   per machine by a short probe, and **choose** the fastest that fits; among those within
-   ``tie`` (5 %) of it, the simplest (the lowest stage, no offload, no recompute, then
-   the fewest micro-batches).
+   per machine by a short probe (the host update measured as the host step runs it), and
+   **choose** the fastest that fits; among those within ``tie`` (5 %) of it, the
+   simplest (the lowest stage, the least offloaded, no delay, no recompute, then the
+   fewest micro-batches). A delayed update's host work overlaps the next step's device
+   work, so its time is the longer of the two, not their sum.
 
 When nothing fits, the answer names the smallest budget that would, and with which
 configuration (the lightest compiled candidate: stage 3, recompute, offload if allowed,
@@ -44,9 +48,18 @@ from ..accounting import memory_spaces
 from ..accounting.estimate import estimate
 from ..accounting.hlo import collectives, comm_bytes, dot_flops, launches
 from ..core.optimizer import ZeroOptimizer
+from ..core.options.offload import offloaded_leaves
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import Plan
-from .candidates import Shape, accumulations, collective_variants, describe, micro_batch, shapes
+from .candidates import (
+    Shape,
+    accumulations,
+    collective_variants,
+    describe,
+    micro_batch,
+    partial_share,
+    shapes,
+)
 from .device_model import DeviceModel, calibrate
 
 TIE = 0.05
@@ -130,7 +143,8 @@ def nothing_fits(choice: Choice) -> str:
 
 def select(rows: Sequence[Row], *, tie: float = TIE) -> Row | None:
     """The fastest row that fits; among those predicted within ``tie`` of it, the simplest
-    (lowest stage, then no offload, no recompute, fewest micro-batches), then the fastest
+    (lowest stage, then the least offloaded, no delay, no recompute, fewest micro-batches),
+    then the fastest
     (buckets and prefetch change no number, only the time). None when none fits."""
     fits = [r for r in rows if r.fits]
     if not fits:
@@ -143,7 +157,8 @@ def select(rows: Sequence[Row], *, tie: float = TIE) -> Row | None:
 def _simplicity(config: ZeroConfig) -> tuple:
     return (
         config.stage,
-        config.offload.optimizer is not None,
+        config.offload.ratio if config.offload.optimizer is not None else 0.0,
+        config.offload.delay,
         config.step.remat_policy is not None,
         config.step.grad_accum,
     )
@@ -183,6 +198,7 @@ def autoconfigure(
     device_budget: float | None = None,
     host_budget: float | None = None,
     stages: Sequence[int] = (0, 1, 2, 3),
+    allow_delay: bool = False,
     device_model: DeviceModel | None = None,
     tie: float = TIE,
 ) -> Choice:
@@ -201,8 +217,13 @@ def autoconfigure(
         device_budget: bytes of device memory a step may use (default: the device's
             memory, :func:`default_device_budget`).
         host_budget: bytes of pinned host memory an offloaded optimizer may use; None
-            (default): offload is not considered.
+            (default): offload is not considered. With it, the host optimizer step is
+            tried for the whole state and for a share near half (``Offload(ratio=)``, a
+            whole number of parameter leaves).
         stages: the stages to consider.
+        allow_delay: also try ``Offload(optimizer="host", delay=1)``, ZeRO-Offload's
+            delayed parameter update, which applies each gradient one step late after its
+            exact warm-up steps: it changes the numbers, so it is tried only when allowed.
         device_model: the rates to predict with (default: :func:`calibrate` on ``mesh``).
         tie: predicted times within this fraction count as equal (the simplest wins).
 
@@ -217,7 +238,8 @@ def autoconfigure(
     model = calibrate(mesh) if device_model is None else device_model
     search = _Search(problem, base, budget, host_budget, model)
     offload = host_budget is not None and search.can_offload()
-    for shape in shapes(base, stages=stages, offload=offload):
+    partial = partial_share([math.prod(x.shape) for x in jax.tree.leaves(problem.shapes)])
+    for shape in shapes(base, stages=stages, offload=offload, partial=partial, delay=allow_delay):
         search.shape(shape)
     search.variants()
     chosen = select(search.rows, tie=tie)
@@ -285,8 +307,7 @@ class _Search:
         """Buckets and prefetch for the ``top`` fastest fitting rows."""
         best = sorted((r for r in self.rows if r.fits), key=lambda r: r.seconds)[:top]
         for row in best:
-            c = row.config
-            shape = Shape(c.stage, c.offload.optimizer == "host", c.step.remat_policy is not None)
+            c, shape = row.config, Shape.of(row.config)
             for bucket, prefetch in collective_variants(self.base, c.stage):
                 config = self._config(shape, c.step.grad_accum, bucket, prefetch)
                 self.rows.append(self._measure(config, row.estimate_bytes))
@@ -316,10 +337,10 @@ class _Search:
         opt_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(opt))
         mixed = config.precision.mixed
         k = opt_bytes / max(psi, 1) + (4 if mixed else 0)
-        offload = config.offload.optimizer
-        n = p.mesh.shape["data"]
+        offload, n = config.offload, p.mesh.shape["data"]
         est = estimate(params=psi, devices=n, stage=config.stage, k=k,
-                       precision="mixed" if mixed else "fp32", offload=offload)  # fmt: skip
+                       precision="mixed" if mixed else "fp32", offload=offload.optimizer,
+                       offload_ratio=offload.ratio if offload.optimizer else 1.0)  # fmt: skip
         return est.model_state_bytes
 
     def _row(self, config: ZeroConfig, states: float, *, why: str, **measured) -> Row:
@@ -345,7 +366,8 @@ class _Search:
         found = collectives(text)
         comm, flops, count = comm_bytes(found)["total"], dot_flops(text), launches(found)
         copies, updates = _host_bytes(state.plan)
-        seconds = self.model.step_seconds(flops, comm, copies, updates, collectives=count)
+        seconds = self.model.step_seconds(flops, comm, copies, updates, collectives=count,
+                                          overlapped=bool(config.offload.delay))  # fmt: skip
         device, host = peak["device"], peak["pinned_host"]
         why = None
         if device > self.budget:
@@ -360,13 +382,18 @@ def _host_bytes(plan: Plan) -> tuple[float, float]:
     """Per device and step, with the optimizer step on the host: the bytes copied between
     device and host (reduced gradient shards down, in the reduce dtype; new parameter
     shards up) and the bytes the host update reads and writes (its state and master
-    weights, twice; the gradients once). (0, 0) otherwise."""
-    if plan.config.offload.optimizer != "host":
+    weights, twice; the gradients once), of the parameter leaves whose state rests on the
+    host (``Offload.ratio``'s share). (0, 0) otherwise."""
+    offload = plan.config.offload
+    if offload.optimizer != "host":
         return 0.0, 0.0
     n = plan.data_size
     reduce = np.dtype(plan.config.precision.reduce_dtype).itemsize
     shard = lambda s: math.prod(s.shape) / (n if s.partitioned else 1)
-    grads = sum(shard(s) * reduce for s in plan.params)
-    params = sum(shard(s) * s.dtype.itemsize for s in plan.params)
-    state = sum(shard(s) * s.dtype.itemsize for s in plan.opt + (plan.master or ()))
+    sizes = [math.prod(lay.shape) for lay in plan.layouts]
+    hosted = [s for s, on in zip(plan.params, offloaded_leaves(sizes, offload.ratio)) if on]
+    grads = sum(shard(s) * reduce for s in hosted)
+    params = sum(shard(s) * s.dtype.itemsize for s in hosted)
+    on_host = [s for s in plan.opt + (plan.master or ()) if s.memory_kind is not None]
+    state = sum(shard(s) * s.dtype.itemsize for s in on_host)
     return grads + params, 2 * state + grads

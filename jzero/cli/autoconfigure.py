@@ -45,7 +45,16 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword argument of the factory (repeatable)")  # fmt: skip
     p.add_argument("--device-budget", type=size, help="device memory per device (default: all)")
-    p.add_argument("--host-budget", type=size, help="pinned host memory: consider offload")
+    p.add_argument(
+        "--host-budget",
+        type=size,
+        help="pinned host memory: consider offload (the whole state, and about half)",
+    )
+    p.add_argument(
+        "--allow-delay",
+        action="store_true",
+        help="with --host-budget, also ZeRO-Offload's delayed update (stale by a step)",
+    )
     p.add_argument("--stages", default="0,1,2,3", help="the stages to consider (default all)")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="without an accelerator, this many CPU devices (default 8)")  # fmt: skip
@@ -68,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         problem["loss_fn"], problem.get("params"), init_fn=problem.get("init_fn"),
         batch=problem["batch"], mesh=mesh, tx=problem.get("tx") or _default_tx(),
         config=problem.get("config"), device_budget=args.device_budget,
-        host_budget=args.host_budget, stages=stages,
+        host_budget=args.host_budget, stages=stages, allow_delay=args.allow_delay,
     )  # fmt: skip
     text = f"{choice.table()}\n\n{choice.summary()}"
     print(json.dumps(to_json(choice), indent=2) if args.json else text)

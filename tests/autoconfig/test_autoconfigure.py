@@ -25,7 +25,15 @@ from _models import (
 
 import jzero
 from jzero.autoconfig import DeviceModel, Row, select
-from jzero.autoconfig.candidates import RECOMPUTE, Shape, accumulations, describe, micro_batch
+from jzero.autoconfig.candidates import (
+    RECOMPUTE,
+    Shape,
+    accumulations,
+    describe,
+    micro_batch,
+    partial_share,
+    shapes,
+)
 
 # Fixed rates, so that every prediction here is arithmetic, never a measurement.
 MODEL = DeviceModel(
@@ -35,8 +43,8 @@ MODEL = DeviceModel(
 N = 8
 
 
-def _row(stage, device_bytes, seconds, *, budget, offload=False, accum=1):
-    config = Shape(stage, offload, False).config(
+def _row(stage, device_bytes, seconds, *, budget, offload=0.0, accum=1, delay=False):
+    config = Shape(stage, offload, False, delay).config(
         jzero.ZeroConfig(stage=0), accum=accum, bucket=False, prefetch=False
     )
     dropped = None if device_bytes <= budget else "compiled peak > budget"
@@ -50,10 +58,10 @@ def test_select_the_fastest_that_fits_and_among_ties_the_simplest():
         _row(2, 40, 1.02, budget=50),
         _row(1, 45, 1.01, budget=50),
         _row(3, 10, 1.50, budget=50),
-        _row(3, 20, 0.80, budget=50, offload=True),  # fastest
+        _row(3, 20, 0.80, budget=50, offload=1.0),  # fastest
     ]
     assert select(rows).config == rows[4].config
-    rows[4] = _row(3, 20, 1.00, budget=50, offload=True)  # now within 5 % of stage 1 and 2
+    rows[4] = _row(3, 20, 1.00, budget=50, offload=1.0)  # now within 5 % of stage 1 and 2
     assert select(rows).config.stage == 1  # the lowest stage of the tie
     assert select(rows, tie=0.0).config == rows[4].config
     assert select([_row(0, 90, 1.0, budget=50)]) is None
@@ -92,9 +100,7 @@ def test_the_micro_batch_arithmetic_keeps_the_global_batch():
         micro_batch(64, 8, 5)
 
 
-@pytest.mark.parametrize(
-    ("shape", "accum"), [(Shape(3, False, False), 4), (Shape(1, False, False), 2)]
-)
+@pytest.mark.parametrize(("shape", "accum"), [(Shape(3, 0.0, False), 4), (Shape(1, 0.0, False), 2)])
 def test_every_accumulation_trains_as_single_device_optax_on_the_global_batch(shape, accum):
     """A candidate's accumulation changes how the global batch is cut, not what is learnt:
     fp32, the same updates as one device on the whole batch (to rounding, as the parity
@@ -112,7 +118,7 @@ def test_every_accumulation_trains_as_single_device_optax_on_the_global_batch(sh
 
 
 def test_recompute_is_stage_3_s_nothing_saveable():
-    config = Shape(3, False, True).config(
+    config = Shape(3, 0.0, True).config(
         jzero.ZeroConfig(stage=0), accum=2, bucket=False, prefetch=False
     )
     assert config.step.remat_policy is RECOMPUTE is jax.checkpoint_policies.nothing_saveable
@@ -192,3 +198,57 @@ def test_calibration_measures_positive_rates():
     model = jzero.autoconfig.calibrate(jzero.data_mesh(), repeats=1)
     assert all(math.isfinite(r) and r > 0 for r in model[:2])
     assert all(r > 0 for r in model)
+
+
+def test_offload_candidates_are_the_whole_state_a_share_near_half_and_the_delay_if_allowed():
+    base = jzero.ZeroConfig(stage=0, step=jzero.StepOptions(manual_gather=True))
+    found = list(shapes(base, stages=(0, 2), offload=True, partial=0.41, delay=True))
+    assert found == [
+        Shape(0, 0.0, False),
+        Shape(2, 0.0, False), Shape(2, 0.41, False), Shape(2, 1.0, False),
+        Shape(2, 1.0, False, True),
+    ]  # fmt: skip
+    assert [s for s in shapes(base, stages=(2,), offload=True) if s.delay] == []
+    config = found[2].config(base, accum=1, bucket=False, prefetch=False)
+    assert config.offload == jzero.Offload(optimizer="host", ratio=0.41)
+    assert Shape.of(config) == found[2] and describe(config) == "zero2 host0.41 accum=1"
+    late = found[4].config(base, accum=1, bucket=False, prefetch=False)
+    assert config.offload.delay == 0 and late.offload.delay == 1
+    assert describe(late) == "zero2 host delay accum=1" and Shape.of(late) == found[4]
+    # A share is a whole number of leaves, nearest half; none between nothing and all: None.
+    assert partial_share([10, 30, 60]) == 0.4 and partial_share([100]) is None
+
+
+def test_among_ties_less_offload_and_no_delay_are_simpler():
+    rows = [
+        _row(3, 20, 1.00, budget=50, offload=1.0, delay=True),
+        _row(3, 20, 1.01, budget=50, offload=1.0),
+        _row(3, 20, 1.02, budget=50, offload=0.5),
+    ]
+    assert select(rows).config.offload.ratio == 0.5
+    assert select(rows[:2]).config.offload.delay == 0
+    assert select(rows, tie=0.0).config.offload.delay == 1
+
+
+def test_a_delayed_update_overlaps_the_host_work_with_the_device_work():
+    # device: 2 s of matmuls + 1 s of collectives; host: 1 s of copies + 1 s of update
+    add = MODEL.step_seconds(2e10, 1e9, 1e9, 1e10)
+    assert add == pytest.approx(5.0)
+    assert MODEL.step_seconds(2e10, 1e9, 1e9, 1e10, overlapped=True) == pytest.approx(3.0)
+    assert MODEL.step_seconds(0, 0, 1e9, 1e10, overlapped=True) == pytest.approx(2.0)
+
+
+def test_a_search_with_offload_weighs_the_partial_share_and_allowed_delay():
+    """The host step for the whole state, for about half of it, and delayed; the partial
+    offload's host bytes are its share's, read from its plan (not the whole state's)."""
+    choice = _search(1e9, host_budget=1e9, allow_delay=True, stages=(2,))
+    names = {r.name.rsplit(" accum", 1)[0] for r in choice.rows if r.device_bytes is not None}
+    share = partial_share([math.prod(x.shape) for x in jax.tree.leaves(stacked_params())])
+    assert {"zero2", f"zero2 host{share:.2f}", "zero2 host", "zero2 host delay"} <= names
+    by_name = {r.name: r for r in choice.rows if r.device_bytes is not None}
+    whole, part = by_name["zero2 host accum=1"], by_name[f"zero2 host{share:.2f} accum=1"]
+    host_time = lambda r: r.seconds - MODEL.step_seconds(r.flops, r.collective_bytes,
+                                                         collectives=r.collectives)  # fmt: skip
+    assert 0 < host_time(part) < host_time(whole)
+    late = by_name["zero2 host delay accum=1"]
+    assert late.seconds <= whole.seconds
