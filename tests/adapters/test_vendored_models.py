@@ -162,7 +162,9 @@ def assert_matches_oracle(name: str, state, step) -> None:
     assert_tree_close(state.params, ref.params, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# Stages 2-3, where layers= gathers each block (at 0-1 the parameters are whole and the
+# step is the stage parity tests').
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layers_matches_single_device_optax(name, stage):
     state = make_state(name, stage, layers=case(name).block)
@@ -184,8 +186,8 @@ def compiled_whole_gather(name: str):
     return step.lower(state, make_batches(1)[0]).compile()
 
 
-@pytest.mark.parametrize("layers", [True, False])
-@pytest.mark.parametrize("name", sorted(CASES))
+# Each model one way (CI's time): lm1b's blocks found by layers=, nanodo's gathered at use.
+@pytest.mark.parametrize(("name", "layers"), [("lm1b", True), ("nanodo", False)])
 def test_stage3_gathers_each_block_twice_and_holds_one(name, layers):
     # With layers=Block each block is a remat_layer (recomputed in backward); without,
     # the default step gathers each weight at its use, again in backward, activations kept.
@@ -225,7 +227,7 @@ def test_stage3_gathers_each_block_twice_and_holds_one(name, layers):
 RECOMPUTE = jzero.StepOptions(remat_policy=jax.checkpoint_policies.nothing_saveable)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", ["nanodo"])  # one model (CI time); lm1b: the same rule
 def test_remat_policy_without_layers_reaches_the_layers_temp(name):
     # The blocks found from the parameter names, each recomputed: no more temp than
     # layers=Block (which names the class), far less than keeping every activation.

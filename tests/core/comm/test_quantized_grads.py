@@ -299,7 +299,9 @@ def test_lm_step_from_the_exact_trajectory_is_within_the_summed_bound(at, dtype)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+# int8 only (CI's time): int4's steps are held to their bound from the exact trajectory
+# above, step by step, which is the stronger check.
+@pytest.mark.parametrize("dtype", ["int8"])
 def test_example_lm_trains_with_quantized_gradients(dtype):
     """200 steps with quantized gradients end below 0.7 x the first loss (tests/_lm.py:
     TRAINED)."""

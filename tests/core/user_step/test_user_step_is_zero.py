@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero.accounting.hlo import collectives, comm_bytes
+from jzero.accounting import collectives, comm_bytes
 
 LAYERS, WIDTH, OUT, N = 4, 64, 16, 8
 
