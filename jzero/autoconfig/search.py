@@ -48,7 +48,6 @@ from ..accounting import memory_spaces
 from ..accounting.estimate import estimate
 from ..accounting.hlo import collectives, comm_bytes, dot_flops, launches
 from ..core.optimizer import ZeroOptimizer
-from ..core.options.offload import offloaded_leaves
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import Plan
 from .candidates import (
@@ -390,8 +389,7 @@ def _host_bytes(plan: Plan) -> tuple[float, float]:
     n = plan.data_size
     reduce = np.dtype(plan.config.precision.reduce_dtype).itemsize
     shard = lambda s: math.prod(s.shape) / (n if s.partitioned else 1)
-    sizes = [math.prod(lay.shape) for lay in plan.layouts]
-    hosted = [s for s, on in zip(plan.params, offloaded_leaves(sizes, offload.ratio)) if on]
+    hosted = [s for s, on in zip(plan.params, plan.offloaded) if on]
     grads = sum(shard(s) * reduce for s in hosted)
     params = sum(shard(s) * s.dtype.itemsize for s in hosted)
     on_host = [s for s in plan.opt + (plan.master or ()) if s.memory_kind is not None]

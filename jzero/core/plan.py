@@ -155,6 +155,18 @@ class Plan:
         return tuple(dataclasses.replace(s, dtype=dtype, memory_kind=HOST) for s in self.opt_like)
 
     @property
+    def offloaded(self) -> tuple[bool, ...]:
+        """Per parameter leaf, whether its optimizer state and master weights rest in host
+        memory (``Offload.ratio``'s share of the leaves, :func:`offloaded_leaves`; none
+        without an offloaded optimizer)."""
+        offload = self.config.offload
+        if offload.optimizer is None:
+            return (False,) * len(self.params)
+        return tuple(
+            offloaded_leaves([math.prod(lay.shape) for lay in self.layouts], offload.ratio)
+        )
+
+    @property
     def opt_like(self) -> tuple[Stored, ...]:
         """Per parameter leaf, its layout as the optimizer state stores it (partitioned from
         stage 1), in the parameters' dtype, on the device."""
