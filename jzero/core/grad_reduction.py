@@ -25,6 +25,17 @@ class Gradients(NamedTuple):
     reduced: Any  # as reduced: stored (padded) shards, reduce dtype, device memory
     denominator: jax.Array  # scalar the reduced sums are divided by (devices x micro-batches)
     averaged: Any  # reduced / denominator, fp32, true shapes, device memory
+    on_host: tuple | None = None  # per leaf, ``reduced``'s copy made in backward, host memory
+    # (:func:`copied_in_backward`), or None (the host step copies that leaf after backward)
+
+
+def copied_in_backward(plan: Plan, reducer: Reducer) -> tuple[bool, ...]:
+    """Per parameter leaf, whether backward copies its reduced shard to host memory where it
+    reduces it (``reducer.copies``): a sharded leaf whose optimizer state rests on the host,
+    unless hybrid (the shard is all-reduced across replicas after backward)."""
+    if not reducer.copies or plan.hybrid:
+        return (False,) * len(plan.params)
+    return tuple(lay.sharded and on for lay, on in zip(plan.layouts, plan.offloaded))
 
 
 def agree(x: jax.Array, axes) -> jax.Array:

@@ -34,7 +34,7 @@ from .comm.collectives import after, saves_no_gathered
 from .comm.gatherer import Gatherer, Sharded, gather_each
 from .comm.reducer import Reducer
 from .gather.autogather import gather_where_used
-from .grad_reduction import agree, agree_aux, combine_micro, reduce
+from .grad_reduction import agree, agree_aux, combine_micro, copied_in_backward, reduce
 from .leaf_layout import LeafLayout
 from .loss_protocol import check_loss, split_model_state
 from .mesh import DATA, REPLICA
@@ -62,7 +62,8 @@ def local_grads(
     aliases: tuple[str, ...] = (),
 ):
     """The shard_map body: (params at rest, model state, loss scale, local batch) ->
-    (loss, reduced gradients summed over devices and micro-batches, agreed model state, aux).
+    (loss, reduced gradients summed over devices and micro-batches, their host copies made
+    in backward (per leaf, or None: :func:`copied_in_backward`), agreed model state, aux).
 
     ``gatherer`` gathers the parameters where the loss uses them (stage 3) and ``reducer``
     reduce-scatters their gradients (stages 1-3), as the step built them from its
@@ -87,7 +88,8 @@ def local_grads(
             grads, (loss, model_state, aux) = _accumulated(
                 grad_fn, diff, model_state, batch, options.grad_accum, axes
             )
-        grads = [g.astype(reducer.dtype) for g in grads]
+        copies = tuple(g[1] if isinstance(g, tuple) else None for g in grads)
+        grads = [(g[0] if isinstance(g, tuple) else g).astype(reducer.dtype) for g in grads]
         if plan.config.partitions_opt_state and not plan.config.partitions_grads:
             # P_os alone: the whole local gradient exists before any of it is reduced
             grads = after(grads, [g.reshape(-1)[:1] for g in grads])
@@ -98,7 +100,7 @@ def local_grads(
             loss = Weighted(jax.lax.psum(loss.total, axes), jax.lax.psum(loss.count, axes))
         else:
             loss = jax.lax.pmean(loss, axes)
-        return loss, jax.tree.unflatten(plan.params_def, grads), model_state, aux
+        return loss, jax.tree.unflatten(plan.params_def, grads), copies, model_state, aux
 
     return body
 
@@ -172,17 +174,28 @@ def _differentiated(plan: Plan, params, gatherer: Gatherer, reducer: Reducer):
     """What backward differentiates, and how the loss sees it: ``(diff, wrap)``.
 
     Stages 2/3 differentiate zero "sinks" that receive the reduce-scattered gradients; the
-    parameters enter the loss through :class:`Sharded` handles (``wrap``). Stages 0/1
-    differentiate a varying copy of each parameter."""
+    parameters enter the loss through :class:`Sharded` handles (``wrap``). A leaf whose
+    gradient backward copies to host memory (:func:`copied_in_backward`) has a pair of
+    sinks, ``(device, host)``. Stages 0/1 differentiate a varying copy of each parameter."""
     axes, leaves = plan.batch_axes, jax.tree.leaves(params)
     if not plan.config.partitions_grads:
         return [_varying(x, axes) for x in leaves], lambda d: d
     sink = lambda lay: _varying(jnp.zeros(_local_shape(lay), reducer.dtype), axes)
-    diff = [sink(lay) if lay.sharded else _varying(x, axes) for x, lay in zip(leaves, plan.layouts)]
+    host = lambda x: jax.device_put(x, jax.memory.Space.Host)
+    sinks = lambda lay, c: (sink(lay), host(sink(lay))) if c else sink(lay)
+    copied = copied_in_backward(plan, reducer)
+    diff = [
+        sinks(lay, c) if lay.sharded else _varying(x, axes)
+        for x, lay, c in zip(leaves, plan.layouts, copied)
+    ]
     if plan.hybrid:  # varying over 'replica' like the batch, so that the
         # cotangent reaching the handle is this device's alone (no implicit psum)
         leaves = [jax.lax.pcast(x, REPLICA, to="varying") for x in leaves]
-    handle = lambda s, x, lay: Sharded(s, x, lay, gatherer, reducer)
+    handle = lambda s, x, lay: (
+        Sharded(s[0], x, lay, gatherer, reducer, copy=s[1])
+        if isinstance(s, tuple)
+        else Sharded(s, x, lay, gatherer, reducer)
+    )
     wrap = lambda d: [
         handle(s, x, lay) if lay.sharded else s for s, x, lay in zip(d, leaves, plan.layouts)
     ]

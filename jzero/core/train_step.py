@@ -26,7 +26,7 @@ from .batch_sharding import check_batch_sharding
 from .comm.collectives import all_gather
 from .comm.gatherer import Gatherer
 from .comm.reducer import Reducer
-from .grad_reduction import Gradients
+from .grad_reduction import Gradients, copied_in_backward
 from .input_checks import check_batch, check_global_batch, check_live, check_state
 from .leaf_layout import pad, unpad
 from .local_grads import local_grads
@@ -84,12 +84,15 @@ class TrainStep:
         self._counts.watch(metrics)
         return state, metrics
 
-    def lower(self, state: ZeroState, batch: Any) -> Any:
+    def lower(self, state: ZeroState, batch: Any, *, platforms: tuple[str, ...] | None = None):
         """The lowering of the program that would take ``state`` 's next step (with
         ``Offload(delay=1)``: the exact one for its first ``exact_steps``, then the delayed
-        one)."""
+        one). ``platforms``: lower it for these instead of the mesh's devices, e.g.
+        ``("cuda",)`` to read on a CPU what a GPU would be given to compile (its text only:
+        such a lowering cannot compile here)."""
         check_live(state)
-        return self._program(state).lower(state, batch)
+        traced = self._program(state).trace(state, batch)
+        return traced.lower(lowering_platforms=platforms)
 
     def _program(self, state: ZeroState) -> Any:
         if self._delayed is None:
@@ -139,8 +142,10 @@ def make_train_step(
         check_batch(batch, state.plan.dp_size, options.grad_accum)
         scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
         body = local_grads(state.plan, loss_fn, options, gatherer, reducer, aliases=aliases)
-        loss, grads, model_state, aux = _sharded(body, state, scale, batch, aliases)
-        loss, grads, ok = _global_view(state.plan, loss, grads, scale, options.grad_accum)
+        loss, grads, copies, model_state, aux = _sharded(
+            body, state, scale, batch, aliases, reducer
+        )
+        loss, grads, ok = _global_view(state.plan, loss, (grads, copies), scale, options.grad_accum)
         return _apply(update, state, (loss, grads, model_state, aux), scale, ok, config)
 
     def delayed_step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
@@ -149,8 +154,10 @@ def make_train_step(
         check_batch(batch, state.plan.dp_size, options.grad_accum)
         body = local_grads(state.plan, loss_fn, options, gatherer, reducer, aliases=aliases)
         scale = jnp.float32(1)  # no dynamic loss scaling with a delay (Offload.check_precision)
-        loss, grads, model_state, aux = _sharded(body, state, scale, batch, aliases)
-        loss, grads, ok = _global_view(state.plan, loss, grads, scale, options.grad_accum)
+        loss, grads, copies, model_state, aux = _sharded(
+            body, state, scale, batch, aliases, reducer
+        )
+        loss, grads, ok = _global_view(state.plan, loss, (grads, copies), scale, options.grad_accum)
         check_delayable(ok)
         return _delayed(update, state, (loss, grads, model_state, aux), config)
 
@@ -163,12 +170,17 @@ def make_train_step(
     return TrainStep(jitted, config=config, mesh=mesh, agreement=agreement, delayed=delayed)
 
 
-def _sharded(body: Callable, state: ZeroState, scale: jax.Array, batch: Any, aliases) -> tuple:
-    """Runs the local view ``body`` under ``shard_map``: (loss, reduced grads, agreed
-    model state, aux), each replicated or sharded as its plan says."""
+def _sharded(
+    body: Callable, state: ZeroState, scale: jax.Array, batch: Any, aliases, reducer: Reducer
+) -> tuple:
+    """Runs the local view ``body`` under ``shard_map``: (loss, reduced grads with the host
+    copies backward made of them, agreed model state, aux), each replicated or sharded as
+    its plan says."""
     plan = state.plan
     sharded = plan.config.partitions_opt_state
     grad_specs = [lay.data_spec() if sharded else P() for lay in plan.layouts]
+    copied = copied_in_backward(plan, reducer)
+    copy_specs = tuple(s if c else None for s, c in zip(grad_specs, copied))
     fwd_bwd = jax.shard_map(
         body,
         mesh=alias_mesh(plan.compute_mesh, aliases) if aliases else plan.compute_mesh,
@@ -178,21 +190,22 @@ def _sharded(body: Callable, state: ZeroState, scale: jax.Array, batch: Any, ali
             P(),
             jax.tree.map(lambda _: P(plan.batch_axes), batch),
         ),
-        out_specs=(P(), jax.tree.unflatten(plan.params_def, grad_specs), P(), P()),
+        out_specs=(P(), jax.tree.unflatten(plan.params_def, grad_specs), copy_specs, P(), P()),
         axis_names=set(plan.manual_axes) | set(aliases),
     )
-    loss, grads, model_state, aux = fwd_bwd(state.params, state.model_state, scale, batch)
+    loss, grads, copies, model_state, aux = fwd_bwd(state.params, state.model_state, scale, batch)
     if aliases:  # back from the alias mesh onto the state's own (one compiled step)
         loss, model_state, aux = jax.lax.with_sharding_constraint(
             (loss, model_state, aux), plan.compute_sharding(P())
         )
-    return loss, grads, model_state, aux
+    return loss, grads, copies, model_state, aux
 
 
-def _global_view(plan: Plan, loss: Any, grads: Any, scale: jax.Array, grad_accum: int) -> tuple:
+def _global_view(plan: Plan, loss: Any, reduced: tuple, scale: jax.Array, grad_accum: int) -> tuple:
     """Sums over devices -> means (unscaled, padding sliced off; kept beside the reduced
-    sums, which the host step reads). With a :class:`Weighted` loss, also whether its
-    global count is valid (else None)."""
+    sums and their host copies, ``reduced``, which the host step reads). With a
+    :class:`Weighted` loss, also whether its global count is valid (else None)."""
+    grads, copies = reduced
     ok = None
     if isinstance(loss, Weighted):  # global sums: divide by the global count
         ok = counted(loss.count)
@@ -205,7 +218,11 @@ def _global_view(plan: Plan, loss: Any, grads: Any, scale: jax.Array, grad_accum
         grads,
         plan.params_tree(),
     )
-    return loss, Gradients(grads, denominator, averaged), ok
+    return loss, Gradients(grads, denominator, averaged, _none_if_empty(copies)), ok
+
+
+def _none_if_empty(copies: tuple) -> tuple | None:
+    return None if all(c is None for c in copies) else copies
 
 
 def _apply(update, state, outputs, scale, ok, config) -> tuple[ZeroState, Metrics]:
@@ -243,10 +260,19 @@ def _delayed(update, state, outputs, config) -> tuple[ZeroState, Metrics]:
     if config.step.has_aux:
         metrics["aux"] = aux
     new_state = _update(update, state, _held(plan, pending), pending.apply)
-    held = to_host(plan, grads.reduced, plan.pending)
-    pending = Pending(held, grads.denominator, jnp.ones((), jnp.bool_))
+    pending = Pending(_to_hold(plan, grads), grads.denominator, jnp.ones((), jnp.bool_))
     new_state = new_state.replace(step=state.step + 1, model_state=model_state, pending=pending)
     return new_state, metrics
+
+
+def _to_hold(plan: Plan, grads: Gradients) -> Any:
+    """This step's reduced gradient as the next step holds it, in host memory: the copy
+    backward made (``grads.on_host``), else the reduced shard moved down now."""
+    held = jax.tree.leaves(to_host(plan, grads.reduced, plan.pending))
+    copies = grads.on_host or (None,) * len(held)
+    put = lambda c, s: jax.device_put(c, plan.compute_sharding(s))
+    held = [h if c is None else put(c, s) for h, c, s in zip(held, copies, plan.pending)]
+    return jax.tree.unflatten(plan.params_def, held)
 
 
 def _held(plan: Plan, pending: Pending) -> Gradients:

@@ -82,21 +82,24 @@ class Gatherer:
         return [jax.lax.pcast(x, DATA, to="varying") for x in values]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _use(sinks, values, layouts: tuple, gatherer: Gatherer, reducer: Reducer) -> list:
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _use(sinks, copies, values, layouts: tuple, gatherer: Gatherer, reducer: Reducer) -> list:
     """:meth:`Gatherer.use` of ``values``; backward reduce-scatters the cotangents with
-    ``reducer`` into ``sinks``: leaf by leaf, or one flat collective with ``bucket``."""
-    del sinks
+    ``reducer`` into ``sinks``: leaf by leaf, or one flat collective with ``bucket``.
+    ``copies`` (per leaf, a host-memory sink or None) receive the host copies of the
+    reduced shards (:meth:`.reducer.Reducer.copy`)."""
+    del sinks, copies
     return gatherer.use(list(values), layouts)
 
 
-def _use_fwd(sinks, values, layouts, gatherer, reducer):
-    return _use(sinks, values, layouts, gatherer, reducer), None
+def _use_fwd(sinks, copies, values, layouts, gatherer, reducer):
+    copied = [() if c is not None else None for c in copies]  # the pattern, no array
+    return _use(sinks, copies, values, layouts, gatherer, reducer), copied
 
 
-def _use_bwd(layouts, gatherer, reducer, _, cts):
+def _use_bwd(layouts, gatherer, reducer, copied, cts):
     grads = reducer.scatter(list(cts), layouts, flat=gatherer.bucket)
-    return grads, [None] * len(grads)
+    return grads, reducer.copy(grads, tuple(c is not None for c in copied)), [None] * len(grads)
 
 
 _use.defvjp(_use_fwd, _use_bwd)
@@ -142,6 +145,7 @@ def _hpz_gather(handles: Sequence[Sharded], *, flat: bool) -> list:
         secondary = secondary_copy(values, layouts, first.gatherer.hpz, first.gatherer.quant)
     shapes = tuple(tuple(x.shape) for x in values)
     sinks = [h.sink for h in handles]
+    no_copies(handles, "hpZ's group gather")
     return _use_group(sinks, secondary, shapes, layouts, first.gatherer, first.reducer, flat)
 
 
@@ -161,13 +165,18 @@ class Sharded:
             static).
         secondary: with hpZ, this leaf's secondary copy if already gathered (e.g. kept
             for backward by :func:`jzero.remat_layer`), else None.
+        copy: where backward copies the reduced shard to host memory
+            (``reducer.copies``): zeros of the sink's shape in host memory, whose gradient
+            is that copy; else None.
     """
 
     def __init__(
-        self, sink, value, layout: LeafLayout, gatherer: Gatherer, reducer: Reducer, secondary=None
-    ):
+        self, sink, value, layout: LeafLayout, gatherer: Gatherer, reducer: Reducer,
+        secondary=None, copy=None,
+    ):  # fmt: skip
         self.sink, self.value, self.layout = sink, value, layout
         self.gatherer, self.reducer, self.secondary = gatherer, reducer, secondary
+        self.copy = copy
 
     @property
     def gathers(self) -> bool:
@@ -180,19 +189,21 @@ class Sharded:
         return self.gatherer.hpz if self.gathers else None
 
     def tree_flatten(self):
-        return (self.sink, self.value, self.secondary), (self.layout, self.gatherer, self.reducer)
+        children = (self.sink, self.value, self.secondary, self.copy)
+        return children, (self.layout, self.gatherer, self.reducer)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        sink, value, secondary = children
-        return cls(sink, value, *aux, secondary=secondary)
+        sink, value, secondary, copy = children
+        return cls(sink, value, *aux, secondary=secondary, copy=copy)
 
     def gather(self) -> jax.Array:
         """This leaf alone: one all-gather (stage 3; hpZ: two), one reduce-scatter in
         backward."""
         if self.hpz is not None:
             return _hpz_gather([self], flat=False)[0]
-        return _use([self.sink], [self.value], (self.layout,), self.gatherer, self.reducer)[0]
+        how = (self.layout,), self.gatherer, self.reducer
+        return _use([self.sink], [self.copy], [self.value], *how)[0]
 
     def with_secondary(self) -> Sharded:
         """This handle carrying its secondary copy (hpZ's first gather done now); itself
@@ -201,7 +212,8 @@ class Sharded:
             return self
         quant = self.gatherer.quant
         secondary = secondary_copy([self.value], (self.layout,), self.hpz, quant)
-        return Sharded(self.sink, self.value, self.layout, self.gatherer, self.reducer, secondary)
+        how = self.layout, self.gatherer, self.reducer
+        return Sharded(self.sink, self.value, *how, secondary=secondary, copy=self.copy)
 
     def __repr__(self) -> str:
         quant = self.gatherer.quant
@@ -226,7 +238,7 @@ def with_secondaries(tree: Any) -> Any:
 def without_secondaries(tree: Any) -> Any:
     """``tree`` (e.g. :func:`with_secondaries`'s cotangents) with the secondary copies
     dropped: the structure of the handles as the step made them."""
-    one = lambda x: Sharded(x.sink, x.value, x.layout, x.gatherer, x.reducer)
+    one = lambda x: Sharded(x.sink, x.value, x.layout, x.gatherer, x.reducer, copy=x.copy)
     return jax.tree.map(lambda x: one(x) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
 
 
@@ -252,7 +264,7 @@ def _gather_leaves(leaves: list) -> list:
         if hs[0].hpz is not None:
             full = _hpz_bucket(hs)
         else:
-            full = _use([h.sink for h in hs], [h.value for h in hs],
+            full = _use([h.sink for h in hs], [h.copy for h in hs], [h.value for h in hs],
                         tuple(h.layout for h in hs), gatherer, reducer)  # fmt: skip
         for i, x in zip(idx, full):
             out[i] = x
@@ -291,3 +303,13 @@ def gather(tree: Any, *, mesh: Mesh | None = None) -> Any:
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
     tree = jax.tree.unflatten(treedef, _gather_leaves(leaves))
     return tree if mesh is None else whole_over_data(tree, mesh)
+
+
+def no_copies(handles: Sequence[Sharded], where: str) -> None:
+    """Refuses handles whose gradient backward should copy to host memory on a path whose
+    backward rule returns the reduced shard only (its copy would silently be zero)."""
+    if any(h.copy is not None for h in handles):
+        raise NotImplementedError(
+            f"{where} does not copy gradients to host memory in backward; "
+            "jzero.core.comm.reducer.copies_in_backward should have left this step's copies off."
+        )

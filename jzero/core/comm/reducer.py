@@ -30,15 +30,26 @@ class Reducer:
     Attributes:
         dtype: the dtype gradients are reduced in (``Precision.reduce_dtype``).
         quant: how they are quantized on the wire (``Communication.grad_quant``), or None.
+        copies: backward also copies each reduced shard of an offloaded leaf to host memory
+            where it is reduced (:meth:`copy`): ZeRO-Offload's gradient copy during
+            backward, for the host step (:func:`copies_in_backward`).
     """
 
     dtype: np.dtype
     quant: Quant | None = None
+    copies: bool = False
 
     @classmethod
     def of(cls, config: ZeroConfig) -> Reducer:
         """The reducer ``config`` asks for."""
-        return cls(np.dtype(config.precision.reduce_dtype), config.comm.grad_quantizer)
+        dtype = np.dtype(config.precision.reduce_dtype)
+        return cls(dtype, config.comm.grad_quantizer, copies_in_backward(config))
+
+    def copy(self, grads: list, copied: tuple[bool, ...]) -> list:
+        """The host copies of the reduced ``grads`` that ``copied`` marks (None elsewhere),
+        made here: inside backward, as soon as each is reduced."""
+        to_host = lambda g: jax.device_put(g, jax.memory.Space.Host)
+        return [to_host(g) if c else None for g, c in zip(grads, copied)]
 
     def scatter(self, grads: list, layouts: Any, *, flat: bool = False) -> list:
         """Local full gradients -> this device's shards of their sums over 'data', in
@@ -64,3 +75,20 @@ def scatter_flat(grads: list, layouts: Any, quant: Quant | None) -> list:
     if quant is not None:
         return quantized_reduce_scatter(grads, layouts, quant=quant)
     return reduce_scatter_flat(grads, layouts)
+
+
+def copies_in_backward(config: ZeroConfig) -> bool:
+    """Whether backward copies the reduced gradient shards to host memory as it reduces
+    them (per layer, inside a scan's backward loop too): with the host step
+    (``Offload(optimizer="host")``) at stages 2-3, where every reduce-scatter happens in
+    backward. Not with gradient accumulation (the host reads the sum over micro-batches),
+    nor where the reduce-scatter is inside a prefetched scan or hpZ's group gather, whose
+    own backward rules return the reduced shard only: there the host step copies each
+    gradient after backward, as at stage 1."""
+    offload, comm = config.offload, config.comm
+    return (
+        offload.optimizer == "host"
+        and config.partitions_grads
+        and config.step.grad_accum == 1
+        and not (config.partitions_params and (comm.prefetch or comm.hpz is not None))
+    )

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ..comm.collectives import after, on_device, saves_no_gathered
-from ..comm.gatherer import Gatherer, Sharded
+from ..comm.gatherer import Gatherer, Sharded, no_copies
 from ..comm.reducer import Reducer
 
 Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
@@ -50,6 +50,7 @@ def prefetched_scan(
     :func:`can_prefetch`). Returns ``(carry, ys)`` as ``lax.scan`` would.
     """
     layouts = tuple(h.layout for h in handles)
+    no_copies(handles, "a prefetched scan")
     how = (handles[0].gatherer, handles[0].reducer)  # the step's, the same for every handle
     return _layers(
         step, layouts, how, length, reverse, policy, consts, init,

@@ -12,24 +12,31 @@ bucket per parameter leaf. The global part runs on the device, on the fp32 gradi
 step already holds for its metrics; its small results (scalars such as the clip factor or
 Adam's count) go down to host memory. Each bucket then runs as its own jitted function
 as a host computation (``compute_on(f, compute_type="device_host", ...)``,
-:mod:`jzero.internal.host_compute`): it reads its leaf's
-gradient shard (copied down with ``jax.device_put(g, jax.memory.Space.Host)``, in the
-dtype the gradients were reduced in), unpads and divides it there exactly as the step does
-on the device, evaluates the bucket's traced equations on the host-resident state and
+:mod:`jzero.internal.host_compute`): it reads its leaf's gradient shard (moved down with
+``jax.device_put(g, jax.memory.Space.Host)`` in backward or after it, see Overlap, in the
+dtype the gradients were reduced in), unpads and divides it there exactly as the step
+does on the device, evaluates the bucket's traced equations on the host-resident state and
 master weights, and writes the new state and master weights back in place in host memory;
 only the new parameter (cast to the parameter dtype) is copied up. A transformation that
 does not split (e.g. a clip of the *updates* after Adam) runs as one bucket, the whole
 update on the host.
 
-Overlap: the buckets have no data dependencies on one another, so XLA may copy leaf k+1's
-gradient down (and leaf k-1's parameter up) while the host updates leaf k; jzero forces no
-order. What runs where on a GPU: forward, backward, the gradient reduce-scatter, the global
-part and stage 1/2's parameter all-gather on the GPU; every bucket's update on the host
-CPU. A bucket whose update itself needs a collective (a factored moment over a sharded
-axis, e.g. Adafactor at N > 1) is a host computation with a collective, which XLA:GPU may
-not compile; on one GPU (the case ZeRO-Offload is for) there is none. This session had no
-GPU: on XLA:CPU the host and the device are the same memory and silicon, so the tests
-check placement by memory kind and numerics (bitwise those without offload), not speed.
+Overlap: at stages 2-3 backward moves each offloaded leaf's gradient shard to host memory
+where it reduce-scatters it (ZeRO-Offload's copy during backward;
+:func:`jzero.core.comm.reducer.copies_in_backward`): an unrolled model's layer by layer,
+a scanned stack's at stage 3 layer by layer inside the backward loop (each slice written
+into the host-resident stacked gradient). Elsewhere (stage 1, gradient accumulation,
+prefetch, hpZ, a ``replica`` axis) each gradient is copied down after backward. The
+buckets have no data dependencies on one another, so XLA may copy leaf k+1's gradient
+down (and leaf k-1's parameter up) while the host updates leaf k; jzero forces no order.
+What runs where on a GPU: forward, backward, the gradient reduce-scatter, the global part
+and stage 1/2's parameter all-gather on the GPU; every bucket's update on the host CPU.
+A bucket whose update itself needs a collective (a factored moment over a sharded axis,
+e.g. Adafactor at N > 1) is a host computation with a collective, which XLA:GPU may not
+compile; on one GPU (the case ZeRO-Offload is for) there is none. On XLA:CPU the host and
+the device are the same memory and silicon, so the tests check placement by memory kind
+(and, for the moves XLA:CPU lowers to nothing, the step lowered for ``cuda``) and
+numerics (bitwise those without offload), not speed.
 
 When each mode is faster: the host step moves about 2 + 2 bytes per parameter per step
 over PCIe (16-bit gradients down, 16-bit parameters up) but updates at the host's memory
@@ -90,7 +97,7 @@ def host_update(
     o, w, n = jax.tree.leaves(opt_state), jax.tree.leaves(weights), len(plan.params)
     env, shared = _global_part(split, plan, grads, o, finite)
     new_o, new_p, new_w = [shared.get(j, x) for j, x in enumerate(o)], [None] * n, [None] * n
-    reduced = jax.tree.leaves(grads.reduced)
+    reduced = _reduced_on_host(grads)
     common = _down((grads.denominator, finite))
     for b in split.buckets:
         if not _on_host(plan, b):  # Offload.ratio: this leaf's state rests on the device
@@ -99,7 +106,7 @@ def host_update(
             continue
         free = _free(split, b, plan)
         ins = (
-            _down([reduced[i] for i in b.params]),
+            [_to_host(reduced[i]) for i in b.params],  # a copy for one on the device
             [_to_host(o[j]) for j in b.opt],  # a copy only for one on the device
             _down([w[i] for i in b.params]),
             _down([env[v] for v in free]),
@@ -184,6 +191,15 @@ def _global_part(
         new = keep(read(env, outs[n + j]), env[ins[n + j]])
         shared[j] = to_host(plan, store([new], [plan.opt[j]]), [plan.opt[j]])[0]
     return env, shared
+
+
+def _reduced_on_host(grads: Gradients) -> list:
+    """Per parameter leaf, its reduced gradient: the host copy backward made as it reduced
+    it (``grads.on_host``, ZeRO-Offload's copy during backward), else the shard on the
+    device (a host bucket copies it down after backward)."""
+    reduced = jax.tree.leaves(grads.reduced)
+    copies = grads.on_host or (None,) * len(reduced)
+    return [g if c is None else c for g, c in zip(reduced, copies)]
 
 
 def _down(xs: Any) -> Any:
