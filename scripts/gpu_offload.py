@@ -28,11 +28,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import bench  # scripts/bench.py (puts examples/ and scripts/ on sys.path)
 import jax
+import jax.numpy as jnp
 import max_model  # scripts/max_model.py
 from gpu_common import Context, skip, target
 
@@ -247,12 +250,34 @@ FIXED_PEAK = 0.6  # host step's allocator peak / none's, at most (ZeRO-Offload's
 FIXED_TIME = 1.5  # host step's step time / none's, at most
 STREAM_SAVED = 0.8  # streamed: (none's peak - its peak) / its state at rest on the host, at least
 ALLOCATOR_MARGIN = 0.1  # |allocator peak / compiled device peak - 1|, at most, per mode
+LINK_PROBE_BYTES = {"gpu": 2**28, "dry": 2**20}  # one buffer timed each way over the link
+LINK_MARGIN = 1.1  # streamed step <= none's + this x its copies' time (2 x state / link)
 
 
 def _allocator_peak() -> int | None:
     """The device allocator's ``peak_bytes_in_use`` in this process (None on CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def link_bytes_per_s(nbytes: int, repeats: int = 3) -> dict[str, float]:
+    """The link's bandwidth each way, from the median of ``repeats`` timed moves of one
+    ``nbytes`` buffer (after one untimed move each way): device memory to pinned host
+    (``down``) and back (``up``)."""
+    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), jax.devices()[0])
+    host, device = (x.sharding.with_memory_kind(k) for k in ("pinned_host", "device"))
+
+    def timed(src: jax.Array, dst: Any) -> tuple[jax.Array, float]:
+        start = time.perf_counter()
+        moved = jax.device_put(src, dst).block_until_ready()
+        return moved, time.perf_counter() - start
+
+    down, up = [], []
+    for _ in range(repeats + 1):
+        on_host, seconds = timed(x, host)
+        down.append(seconds)
+        up.append(timed(on_host, device)[1])
+    return {"down": nbytes / statistics.median(down[1:]), "up": nbytes / statistics.median(up[1:])}
 
 
 def fixed(ctx: Context, part: str, earlier: dict[str, Any]) -> dict[str, Any]:
@@ -270,11 +295,15 @@ def fixed(ctx: Context, part: str, earlier: dict[str, Any]) -> dict[str, Any]:
     step = max_model.compile_step(args, layers=layers, **kw)
     at_rest = state_host_bytes(args, kw["entry"], layers)  # the state resting off the device
     trained = max_model.train_steps(args, compiled=step, layers=layers, **kw)
-    return {"sizes": s, "layers": layers, "compiled_peak_bytes": step.peak,
-            "replay_peak_bytes": replay(step.executable.as_text()),
-            "host_bytes": max(step.host, at_rest), "host_bytes_at_rest": at_rest,
-            "allocator_peak_bytes": _allocator_peak(), "train": trained,
-            "targets": []}  # fmt: skip
+    found = {"sizes": s, "layers": layers, "compiled_peak_bytes": step.peak,
+             "replay_peak_bytes": replay(step.executable.as_text()),
+             "host_bytes": max(step.host, at_rest), "host_bytes_at_rest": at_rest,
+             "allocator_peak_bytes": _allocator_peak(), "train": trained,
+             "targets": []}  # fmt: skip
+    if part == "streamed":  # what bounds its time: 2 x its state over the link
+        probe = LINK_PROBE_BYTES["dry" if ctx.dry_run else "gpu"]
+        found["link_bytes_per_s"] = link_bytes_per_s(probe)
+    return found
 
 
 def fixed_targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -289,6 +318,7 @@ def fixed_targets(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     else:
         found = _host_step_fixed(none, host, names)
     found += _streamed_fixed(none, parts.get("streamed") or {})
+    found += _streamed_bound(none, parts.get("streamed") or {})
     return found + _ratio_fixed(none, host, parts.get("ratio_half") or {}) + _agreement(parts)
 
 
@@ -342,6 +372,26 @@ def _streamed_fixed(none: dict, streamed: dict) -> list[dict[str, Any]]:
         f"{streamed['host_bytes_at_rest']:,} B of state it offloads >= {STREAM_SAVED}"
     )
     return [target(name, share >= STREAM_SAVED, text, measured=share, bound=STREAM_SAVED)]
+
+
+def _streamed_bound(none: dict, streamed: dict) -> list[dict[str, Any]]:
+    """The streamed step bounded by its copies, not by serialisation: at most none's step
+    plus LINK_MARGIN x the time its state takes down and up the link (2 x the state at
+    rest: tests/core/offload/test_offload.py checks that the step moves exactly that)."""
+    name = "offload fixed streamed bounded by its copies"
+    if "train" not in none or "link_bytes_per_s" not in streamed:
+        why = "skipped: needs offload_fixed:none and offload_fixed:streamed"
+        return [skip(name, streamed.get("skipped") or why)]
+    link, state = streamed["link_bytes_per_s"], streamed["host_bytes_at_rest"]
+    copies_ms = 1e3 * (state / link["down"] + state / link["up"])
+    none_ms, ms = none["train"]["step_ms_median"], streamed["train"]["step_ms_median"]
+    bound = none_ms + LINK_MARGIN * copies_ms
+    text = (
+        f"streamed step {ms:.1f} ms <= none's {none_ms:.1f} ms + {LINK_MARGIN} x "
+        f"{copies_ms:.1f} ms (2 x {state:,} B over {link['down'] / 1e9:.1f} GB/s down, "
+        f"{link['up'] / 1e9:.1f} GB/s up) = {bound:.1f} ms"
+    )
+    return [target(name, ms <= bound, text, measured=ms, bound=bound)]
 
 
 def _agreement(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

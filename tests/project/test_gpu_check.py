@@ -136,6 +136,11 @@ def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
     for mode in ("host_step", "streamed"):  # on CPU the replay: the state off the device
         saved = fixed["none"]["compiled_peak_bytes"] - fixed[mode]["compiled_peak_bytes"]
         assert saved >= 0.8 * fixed[mode]["host_bytes_at_rest"] > 0, mode
+    link = fixed["streamed"]["link_bytes_per_s"]  # measured (its figure means nothing on CPU)
+    assert set(link) == {"down", "up"} and min(link.values()) > 0
+    targets = doc["pieces"]["offload_fixed"]["targets"]
+    bound = [t for t in targets if t["name"].endswith("bounded by its copies")]
+    assert len(bound) == 1 and bound[0]["status"] in ("PASS", "FAIL")
     stages = doc["pieces"]["table2"]["stages"]
     assert list(stages) == ["dp", "zero1", "zero2", "zero3"]
     layers = [stages[s]["layers"] for s in stages]
@@ -169,6 +174,21 @@ def test_fixed_offload_targets_compare_the_host_step_with_none():
     assert found["offload fixed host_step time"]["status"] == "FAIL"
     found = gpu_offload.fixed_targets({"none": mode(None, 1.0), "host_step": mode(None, 1.0)})
     assert found[0]["reason"] == "skipped: no allocator statistics (CPU)"
+
+
+def test_the_streamed_step_is_bounded_by_its_copies_over_the_measured_link():
+    import gpu_offload
+
+    none = {"train": {"step_ms_median": 200.0}}
+    link = {"down": 50e9, "up": 25e9}  # 10 GB of state: 200 ms down, 400 ms up
+    streamed = lambda ms: {"train": {"step_ms_median": ms}, "host_bytes_at_rest": 10**10,
+                           "link_bytes_per_s": link}  # fmt: skip
+    within = gpu_offload._streamed_bound(none, streamed(800.0))[0]  # bound 200 + 1.1 x 600
+    assert (within["status"], within["bound"]) == ("PASS", pytest.approx(860.0))
+    assert gpu_offload._streamed_bound(none, streamed(900.0))[0]["status"] == "FAIL"
+    missing = gpu_offload._streamed_bound(none, {"skipped": "skipped: not in this build"})
+    assert missing[0] == {"name": "offload fixed streamed bounded by its copies",
+                          "status": "SKIP", "reason": "skipped: not in this build"}  # fmt: skip
 
 
 def _mode(params: int, host_bytes: int, ms: float, *, at_none: float | None = None) -> dict:

@@ -10,6 +10,7 @@ equations of the whole-tree one) and against single-device Optax.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import tempfile
 import types
@@ -111,6 +112,46 @@ def test_the_streamed_step_orders_its_pieces_and_the_gradient_norm(stage):
     pieces = len(split_update(TXS["adam"], state.plan).buckets)  # one per leaf, unchunked
     assert pieces > 2
     assert barriers[1] - barriers[0] == (pieces - 2) + 1
+
+
+def _moved(text: str) -> dict[str, int]:
+    """Bytes a lowered program moves into each memory kind: its placement annotations'
+    operands, by the shapes written (global outside ``shard_map``)."""
+    found = re.findall(
+        r'annotate_device_placement\(.*_xla_buffer_placement = "(\w+)".*?: \(tensor<([^>]*)>\)',
+        text,
+    )
+    dtypes = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32}
+    moved: dict[str, int] = {}
+    for kind, shape in found:
+        *dims, dtype = shape.split("x")
+        size = math.prod(map(int, dims)) * jnp.dtype(dtypes[dtype]).itemsize
+        moved[kind] = moved.get(kind, 0) + size
+    return moved
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_the_streamed_step_moves_its_state_in_and_out_once(stage, chunk):
+    """Over the link a streamed step moves every byte of the state resting in host memory
+    to the device once and back once (2 x the state's bytes: what bounds its time on a
+    link), read from the step lowered for ``cuda`` (XLA:CPU lowers the moves to nothing). In chunks (64 elements), the chunks brought in sum to the state;
+    their write-backs are updates of the host buffer, which the text also annotates."""
+    offload = jzero.Offload(optimizer="stream", chunk=chunk)
+    opt = jzero.ZeroOptimizer(
+        TXS["adam"], jzero.data_mesh(), stage=stage, min_shard_size=1, precision=BF16,
+        offload=offload,
+    )  # fmt: skip
+    state = opt.init(awkward_params())
+    step = opt.train_step(awkward_loss, donate=False)
+    text = step.lower(state, awkward_batches(1)[0], platforms=("cuda",)).as_text()
+    plan = state.plan
+    resting = [s for s in plan.opt + (plan.master or ()) if s.memory_kind == HOST]
+    state_bytes = sum(math.prod(s.layout.padded) * s.dtype.itemsize for s in resting)
+    moved = _moved(text)
+    assert moved["device"] == state_bytes
+    if chunk is None:
+        assert moved[HOST] == state_bytes
 
 
 def test_whole_tree_fallback_fp32_matches_single_device_optax():
