@@ -111,18 +111,20 @@ def _optimizer(entry: Entry, make_tx: Callable[[], optax.GradientTransformation]
 
 
 def compile_step(
-    args: argparse.Namespace, *, entry: Entry, layers: int, batch: int, make_tx: Callable
-) -> Compiled:
+    args: argparse.Namespace, *, entry: Entry, layers: int, batch: int, make_tx: Callable,
+    grad_accum: int = 1,
+) -> Compiled:  # fmt: skip
     """The entry's jzero train step (``manual_gather=True``) of the family's GPT with
     ``layers`` blocks over all devices, compiled from ``ShapeDtypeStruct`` s (the state
-    from ``jax.eval_shape`` of ``init_program``, with its planned shardings): nothing runs."""
+    from ``jax.eval_shape`` of ``init_program``, with its planned shardings): nothing runs.
+    ``batch`` sequences a step, in ``grad_accum`` micro-batches."""
     cfg = family_config(args, layers, entry.precision)
     opt = _optimizer(entry, make_tx)
     state = jax.eval_shape(*opt.init_program(init_fn=_init_fn(cfg)))
     tokens = jax.ShapeDtypeStruct(
         (batch, cfg.seq_len + 1), jnp.int32, sharding=NamedSharding(opt.mesh, P("data"))
     )
-    step = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True)
+    step = opt.train_step(gpt.make_loss_fn(cfg), manual_gather=True, grad_accum=grad_accum)
     executable = step.lower(state, {"tokens": tokens}).compile()
     m = executable.memory_analysis()
     xla = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -214,12 +216,12 @@ def train_largest(train: Callable[[int], dict[str, Any]], layers: int) -> dict[s
 
 def train_steps(
     args: argparse.Namespace, *, entry: Entry, compiled: Compiled, layers: int, batch: int,
-    make_tx: Callable,
+    make_tx: Callable, grad_accum: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Initialises the entry's model with ``layers`` blocks on the devices and runs its
     compiled step ``args.warmup`` + ``args.max_model_train`` times on random tokens; the
     median time of the timed steps, per step and per token (``batch x seq_len`` predicted
-    tokens a step)."""
+    tokens a step). ``grad_accum``: the micro-batches the compiled step takes (recorded)."""
     cfg = family_config(args, layers, entry.precision)
     opt = _optimizer(entry, make_tx)
     state = opt.init(init_fn=_init_fn(cfg))
@@ -247,6 +249,7 @@ def train_steps(
     step_ms = float(statistics.median(times))
     tokens_per_step = batch * cfg.seq_len
     return {
+        "grad_accum": grad_accum,
         "layers": layers,
         "params": family_params(args, layers),
         "steps": len(times),

@@ -25,6 +25,7 @@ PARTS = {
     "offload": ["none", "streamed", "host_step", "host_step_params"],
     "mock8": ["overlap", "dp", "zero1", "zero2", "zero3"],
     "offload_fixed": ["none", "host_step", "streamed", "host_delayed", "ratio_half"],
+    "offload_32k": ["none", "host_step", "streamed", "host_delayed", "ratio_half"],
 }
 MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "host_memory_bytes"}
 
@@ -166,7 +167,7 @@ def test_fixed_offload_targets_compare_the_host_step_with_none():
     agree = found["offload fixed host_step allocator vs compiled"]  # 55 against 60
     assert agree["status"] == "PASS" and agree["measured"] == pytest.approx(55 / 60 - 1)
     found = {t["name"]: t for t in gpu_offload.fixed_targets(
-        {"none": mode(100, 200.0), "host_step": mode(99, 520.0, compiled=80),
+        {"none": mode(100, 200.0), "host_step": mode(99, 620.0, compiled=80),
          "streamed": mode(70, 300.0, at_rest=50)})}  # fmt: skip
     assert found["offload fixed streamed peak"]["status"] == "FAIL"  # 0.6 x its state
     assert found["offload fixed host_step allocator vs compiled"]["status"] == "FAIL"
@@ -174,6 +175,25 @@ def test_fixed_offload_targets_compare_the_host_step_with_none():
     assert found["offload fixed host_step time"]["status"] == "FAIL"
     found = gpu_offload.fixed_targets({"none": mode(None, 1.0), "host_step": mode(None, 1.0)})
     assert found[0]["reason"] == "skipped: no allocator statistics (CPU)"
+
+
+def test_at_32k_tokens_each_offloaded_mode_is_held_to_its_share_of_none_s_time():
+    import gpu_offload
+
+    run = lambda ms, peak=100: {"train": {"step_ms_median": ms, "tokens_per_step": 32768},
+                                "allocator_peak_bytes": peak}  # fmt: skip
+    parts = {"none": run(1600.0), "host_step": run(2000.0, 55), "streamed": run(3300.0),
+             "host_delayed": run(1700.0, 56), "ratio_half": run(1800.0, 80)}  # fmt: skip
+    found = {t["name"]: t for t in gpu_offload.accum_targets(parts)}
+    assert found["offload 32k host_step time"]["measured"] == 1.25
+    assert found["offload 32k host_step time"]["status"] == "PASS"  # <= 1.3
+    assert found["offload 32k host_delayed time"]["status"] == "PASS"  # 1.0625 <= 1.1
+    assert found["offload 32k streamed time"]["status"] == "FAIL"  # 2.0625 > 2.0
+    assert found["offload 32k ratio_half time between the ends"]["status"] == "PASS"
+    assert found["offload 32k ratio_half peak between the ends"]["status"] == "PASS"
+    alone = gpu_offload.accum_targets({"none": run(1600.0)})
+    assert [t["status"] for t in alone] == ["SKIP"] * 5
+    assert alone[0]["reason"] == "skipped: needs offload_32k:none and offload_32k:host_step"
 
 
 def test_the_streamed_step_is_bounded_by_its_copies_over_the_measured_link():
