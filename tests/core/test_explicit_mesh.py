@@ -24,6 +24,7 @@ import jzero
 from jzero.accounting import collectives
 
 RTOL, ATOL = 1e-6, 1e-6  # as tests/core/test_parity.py: fp32, gradients summed in another order
+ATOLS = {"sgd_momentum": 5e-6}  # as test_parity.py: Nesterov's ~10x weight on that rounding
 STEPS = 5
 E, A = AxisType.Explicit, AxisType.Auto
 OPTIMIZERS = {**PARITY_OPTIMIZERS, "muon": lambda: optax.contrib.muon(1e-2)}
@@ -62,13 +63,13 @@ def _reference(name):
 
 
 def _assert_optax(run, name):
-    ref = _reference(name)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL)
+    ref, atol = _reference(name), ATOLS.get(name, ATOL)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=atol)
     for got, want in [(run.params, ref.params), (run.opt_state, ref.opt_state)]:
         assert jax.tree.structure(got) == jax.tree.structure(want)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert g.shape == w.shape and g.dtype == w.dtype
-            np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=atol)
 
 
 def _assert_same(run, other):
