@@ -294,8 +294,8 @@ def fixed(ctx: Context, part: str, earlier: dict[str, Any], micro: int = 1) -> d
     args, layers = _args(s), FIXED_LAYERS["dry" if ctx.dry_run else "gpu"]
     batch = s["batch"] * jax.device_count() * micro
     kw = {"entry": max_model.Entry(f"zero3_{part}", 3, mode.offload()), "batch": batch,
-          "make_tx": bench._adamw, "grad_accum": micro}  # fmt: skip
-    step = max_model.compile_step(args, layers=layers, **kw)
+          "make_tx": bench._adamw}  # fmt: skip
+    step = max_model.compile_step(args, layers=layers, grad_accum=micro, **kw)
     at_rest = state_host_bytes(args, kw["entry"], layers)  # the state resting off the device
     trained = max_model.train_steps(args, compiled=step, layers=layers, **kw)
     found = {"sizes": s, "layers": layers, "compiled_peak_bytes": step.peak,

@@ -216,12 +216,12 @@ def train_largest(train: Callable[[int], dict[str, Any]], layers: int) -> dict[s
 
 def train_steps(
     args: argparse.Namespace, *, entry: Entry, compiled: Compiled, layers: int, batch: int,
-    make_tx: Callable, grad_accum: int = 1,
+    make_tx: Callable,
 ) -> dict[str, Any]:  # fmt: skip
     """Initialises the entry's model with ``layers`` blocks on the devices and runs its
     compiled step ``args.warmup`` + ``args.max_model_train`` times on random tokens; the
     median time of the timed steps, per step and per token (``batch x seq_len`` predicted
-    tokens a step). ``grad_accum``: the micro-batches the compiled step takes (recorded)."""
+    tokens a step)."""
     cfg = family_config(args, layers, entry.precision)
     opt = _optimizer(entry, make_tx)
     state = opt.init(init_fn=_init_fn(cfg))
@@ -249,7 +249,6 @@ def train_steps(
     step_ms = float(statistics.median(times))
     tokens_per_step = batch * cfg.seq_len
     return {
-        "grad_accum": grad_accum,
         "layers": layers,
         "params": family_params(args, layers),
         "steps": len(times),
