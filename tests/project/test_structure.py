@@ -5,6 +5,7 @@ no import-time side effects; ``data_mesh`` says what mesh it built."""
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import os
 import pathlib
@@ -16,6 +17,7 @@ import jzero
 PACKAGE = pathlib.Path(jzero.__file__).parent
 
 
+@functools.cache  # read-only: every test file's private imports are checked against it
 def _imports() -> dict[str, set[str]]:
     """``{module: {modules it imports from the package}}``, from the source's relative and
     absolute ``jzero`` imports. ``from pkg import x`` imports ``pkg.x`` when ``x`` is a
