@@ -509,8 +509,8 @@ def readme_block(gpu: dict[str, Any] | None) -> str:
     """The README's GPU paragraph, between its markers."""
     measured = _gpu_offload(gpu) or {}
     unrun = tuple(f"offload_fixed:{p}" for p in ("host_delayed", "ratio_half") if p not in measured)
-    if gpu is not None and "offload_32k" not in gpu.get("pieces", {}):
-        unrun += ("offload_32k",)  # ZeRO-Offload's speed at 32 K tokens a step
+    pieces = (gpu or {}).get("pieces", {})  # the pieces added since the H200's run:
+    unrun += tuple(p for p in ("offload_32k", "host_rate") if gpu is not None and p not in pieces)
     return "\n".join([README_GPU[0], gpu_summary_md(gpu, unrun), README_GPU[1]])
 
 

@@ -58,6 +58,10 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
 - ``table2``: Table 2 at N = 8 from the estimator, each stage compiled once at its
   predicted size on the mocked GPU compiler. Targets: each compiled peak within the
   budget; zero3 / dp predicted params >= 7.
+- ``host_rate``: the host step's update alone on the GPU's host (2**26 AdamW parameters
+  with fp32 master weights, as 1, 8 and 32 leaves: one host computation each) against
+  the STREAM triad on every core; target: the best >= 0.7 x the triad. Not in
+  ``--quick`` (an estimate, unmeasured: about a minute).
 
 Each part runs in a fresh process (a GPU's memory is the part's alone; XLA flags and the
 GPU mock must be set before JAX starts) with a time limit (``--part-seconds``), and its
@@ -134,6 +138,7 @@ PIECES = {
         summary="gpu_offload:accum_targets",
     ),
     "table2": Piece("gpu_mock8:table2_estimate", cpu_devices=8, mock_gpus=True),
+    "host_rate": Piece("gpu_offload:host_rate"),
 }  # fmt: skip
 
 QUICK = {  # --quick: every claim once, within one 10-minute command; seconds per unit

@@ -37,6 +37,7 @@ import bench  # scripts/bench.py (puts examples/ and scripts/ on sys.path)
 import jax
 import jax.numpy as jnp
 import max_model  # scripts/max_model.py
+import offload_bench  # scripts/offload_bench.py
 from gpu_common import Context, skip, target
 
 import jzero
@@ -439,3 +440,40 @@ def _agreement(parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         found.append(target(name, abs(off) <= ALLOCATOR_MARGIN, text, measured=off,
                             bound=ALLOCATOR_MARGIN))  # fmt: skip
     return found
+
+
+# ----------------------------------------------- the host update's rate on the GPU's host
+HOST_RATE = {  # parameters updated, and the leaves they are split into (one host
+    "gpu": {"params": 2**26, "leaves": (1, 8, 32), "triad_elements": 2**26},  # computation
+    "dry": {"params": 2**16, "leaves": (1, 8), "triad_elements": 2**20},  # each)
+}
+
+
+def host_rate(ctx: Context) -> dict[str, Any]:
+    """The host step's update alone on this machine's host (``Offload(optimizer="host")``:
+    one host computation per parameter leaf), AdamW with bf16 parameters and fp32 master
+    weights, the same parameters split into 1, 8 and 32 leaves, against the STREAM triad
+    on every core the process may use and on one. On a GPU, XLA runs each host computation
+    on one thread of its pool, so the rate a model reaches depends on how many leaves it
+    has (a scanned model: few); on CPU the computations are inlined into the step. Target:
+    the best rate >= offload_bench.TRIAD_SHARE x the all-core triad (P20, section 1)."""
+    s = HOST_RATE["dry" if ctx.dry_run else "gpu"]
+    cores = len(os.sched_getaffinity(0))
+    elements = s["triad_elements"]
+    triad = {"threads": cores, "threads_bytes_per_s": offload_bench.triad(cores, elements),
+             "one_thread_bytes_per_s": offload_bench.triad(1, elements)}  # fmt: skip
+    by_leaves = {}
+    for n in s["leaves"]:
+        rows = s["params"] // n // 1024
+        params = {f"w{i}": jnp.full((rows, 1024), 0.01, jnp.float32) for i in range(n)}
+        by_leaves[str(n)] = offload_bench.update_alone(jzero.Offload(optimizer="host"), params)
+    best = max(u["bytes_per_s"] for u in by_leaves.values())
+    share, bound = best / triad["threads_bytes_per_s"], offload_bench.TRIAD_SHARE
+    rates = ", ".join(f"{n} leaves {u['bytes_per_s'] / 1e9:.1f}" for n, u in by_leaves.items())
+    text = (
+        f"host update {best / 1e9:.1f} GB/s (best of {rates} GB/s) = {share:.2f} x the "
+        f"{cores}-thread triad's {triad['threads_bytes_per_s'] / 1e9:.1f} GB/s >= {bound}"
+    )
+    found = [target("host_rate update vs triad", share >= bound, text, measured=share,
+                    bound=bound)]  # fmt: skip
+    return {"triad": triad, "update_by_leaves": by_leaves, "targets": found}

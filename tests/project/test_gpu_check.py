@@ -97,6 +97,18 @@ def test_dry_run_offload_modes_run_or_say_they_are_missing(dry_run):
 
 
 @pytest.mark.slow
+def test_dry_run_times_the_host_update_by_leaf_count_against_the_triad(dry_run):
+    _, doc = dry_run
+    rate = doc["pieces"]["host_rate"]
+    assert list(rate["update_by_leaves"]) == ["1", "8"]
+    assert all(u["bytes_per_s"] > 0 for u in rate["update_by_leaves"].values())
+    assert rate["triad"]["threads_bytes_per_s"] > 0 < rate["triad"]["one_thread_bytes_per_s"]
+    [found] = rate["targets"]
+    best = max(u["bytes_per_s"] for u in rate["update_by_leaves"].values())
+    assert found["measured"] == best / rate["triad"]["threads_bytes_per_s"]
+
+
+@pytest.mark.slow
 def test_dry_run_mock8_skips_for_want_of_a_gpu_but_reads_the_cpu_schedule(dry_run):
     _, doc = dry_run
     mock8 = doc["pieces"]["mock8"]
