@@ -2,6 +2,7 @@
 targets marked PASS / FAIL in one JSON.
 
     bash scripts/gpu_check.sh --quick              # every claim once, under 10 minutes (GPU)
+    bash scripts/gpu_check.sh --offload-speed      # P20's offload speed, under 10 minutes
     bash scripts/gpu_check.sh                      # every piece in turn (GPU; tens of minutes)
     bash scripts/gpu_check.sh --only n1            # one piece (each under 10 minutes)
     bash scripts/gpu_check.sh --only offload:none,offload:streamed   # parts of a piece
@@ -19,7 +20,8 @@ H200), ``offload_fixed:none`` 70 s, ``offload_fixed:host_step`` 85 s and
 ``offload_fixed:streamed`` 80 s (the 1.21 B GPT of d_model 2048 x 24 layers, no search),
 ``mock8:overlap`` 55 s, ``table2`` 70 s: 530 s of parts, about 550 s with the machine
 probe. Then ``--only`` any longer piece in the time
-left.
+left. ``--offload-speed`` is the same for P20's offload figures in a lease of its own:
+``offload_32k``'s five parts and ``host_rate`` (540 s of parts, estimated).
 
 Pieces (``--only``; a piece with parts runs each part in its own process, and
 ``piece:part`` picks parts):
@@ -52,16 +54,16 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
 - ``offload_32k`` (the same parts): the same GPT and modes at 8 micro-batches a step (32 K
   tokens, where no offload's step is about 1.6 s): the host step <= 1.3 x none's step
   time, the delayed update <= 1.1 x, streamed <= 2.0 x, ``ratio_half``'s peak and time
-  between none's and the host step's. Not in ``--quick``; its parts are timed
-  estimates (unmeasured: about 120 s each), so run them two or three to a command:
-  ``--only offload_32k:none,offload_32k:host_step``.
+  between none's and the host step's. Not in ``--quick``: ``--offload-speed`` runs it
+  with ``host_rate`` in one command (:data:`OFFLOAD_SPEED`; its time limits are
+  estimates, no GPU has run these parts yet).
 - ``table2``: Table 2 at N = 8 from the estimator, each stage compiled once at its
   predicted size on the mocked GPU compiler. Targets: each compiled peak within the
   budget; zero3 / dp predicted params >= 7.
 - ``host_rate``: the host step's update alone on the GPU's host (2**26 AdamW parameters
   with fp32 master weights, as 1, 8 and 32 leaves: one host computation each) against
-  the STREAM triad on every core; target: the best >= 0.7 x the triad. Not in
-  ``--quick`` (an estimate, unmeasured: about a minute).
+  the STREAM triad on every core; target: the best >= 0.7 x the triad. In
+  ``--offload-speed``, not in ``--quick``.
 
 Each part runs in a fresh process (a GPU's memory is the part's alone; XLA flags and the
 GPU mock must be set before JAX starts) with a time limit (``--part-seconds``), and its
@@ -151,15 +153,27 @@ QUICK = {  # --quick: every claim once, within one 10-minute command; seconds pe
 }  # fmt: skip
 """530 s of parts, about 550 s with the machine probe and process starts: under 10 minutes."""
 
+OFFLOAD_SPEED = {  # --offload-speed: P20's section 5 in one 10-minute command (estimates:
+    ("offload_32k", "none"): 90,  # a 4 K-token part took 70-85 s on the H200, and a
+    ("offload_32k", "host_step"): 100,  # 32 K-token step of none is about 1.6 s)
+    ("offload_32k", "host_delayed"): 100,
+    ("offload_32k", "streamed"): 100,
+    ("offload_32k", "ratio_half"): 90,
+    ("host_rate", None): 60,
+}  # fmt: skip
+"""540 s of parts: ZeRO-Offload's speed at 32 K tokens a step and the host update's rate."""
+PRESETS = {"quick": QUICK, "offload_speed": OFFLOAD_SPEED}
 
-def _units(only: str | None, quick: bool = False) -> list[tuple[str, str | None]]:
-    """``--only`` (or ``--quick``) as ``(piece, part or None)`` in the pieces' order;
-    raises ValueError."""
+
+def _units(only: str | None, preset: str | None = None) -> list[tuple[str, str | None]]:
+    """``--only`` (or a preset, ``--quick`` or ``--offload-speed``) as ``(piece, part or
+    None)`` in the pieces' order; raises ValueError."""
     every = [(p, part) for p, piece in PIECES.items() for part in piece.parts or (None,)]
-    if quick:
+    if preset is not None:
         if only is not None:
-            raise ValueError("--quick runs its own units; leave --only out")
-        return list(QUICK)
+            flag = "--" + preset.replace("_", "-")
+            raise ValueError(f"{flag} runs its own units; leave --only out")
+        return list(PRESETS[preset])
     if only is None:
         return every
     wanted = set()
@@ -186,6 +200,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "compile per stage)",
     )  # fmt: skip
     ap.add_argument(
+        "--offload-speed", action="store_true",
+        help="P20's offload speed in under 10 minutes: none, the host step, the delayed "
+        "update, streamed and ratio 0.5 at 32 K tokens a step, and the host update's rate",
+    )  # fmt: skip
+    ap.add_argument(
         "--json",
         type=Path,
         help=f"where results merge (default {DEFAULT_JSON.relative_to(ROOT)}; --dry-run: "
@@ -194,8 +213,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--part-seconds", type=float, default=570.0, help="time limit of a part")
     args = ap.parse_args(argv)
     args.json = args.json or (DRY_JSON if args.dry_run else DEFAULT_JSON)
+    if args.quick and args.offload_speed:
+        ap.error("--quick and --offload-speed are two commands: run one, then the other")
+    args.preset = "quick" if args.quick else "offload_speed" if args.offload_speed else None
     try:
-        args.units = _units(args.only, args.quick)
+        args.units = _units(args.only, args.preset)
     except ValueError as e:
         ap.error(str(e))
     return args
@@ -254,7 +276,8 @@ def run_unit(args, piece_name: str, part: str | None, doc: dict, machine: dict) 
             out.write_text(json.dumps(doc["pieces"].get(piece_name, {}).get("parts", {})))
         print(f"{unit}: running ...", flush=True)
         start = time.perf_counter()
-        seconds = QUICK[piece_name, part] if args.quick and not args.dry_run else args.part_seconds
+        timed = args.preset is not None and not args.dry_run
+        seconds = PRESETS[args.preset][piece_name, part] if timed else args.part_seconds
         error = _process(args, unit, out, env=_env(piece, machine), gpus=gpus, seconds=seconds)
         result = {"error": error, "targets": []} if error else json.loads(out.read_text())
     result.setdefault("seconds", time.perf_counter() - start)

@@ -131,13 +131,24 @@ def test_only_selects_pieces_and_parts_in_order_and_refuses_unknown_names():
 
 
 def test_quick_runs_every_claim_once_within_one_ten_minute_command():
-    units = gpu_check._units(None, quick=True)
+    units = gpu_check._units(None, "quick")
     assert units == [("n1", None), ("offload_fixed", "none"), ("offload_fixed", "host_step"),
                      ("offload_fixed", "streamed"), ("mock8", "overlap"),
                      ("table2", None)]  # fmt: skip
     assert sum(gpu_check.QUICK.values()) <= 10 * 60 - 60  # the machine probe and starts
     with pytest.raises(ValueError, match="--quick runs its own units"):
-        gpu_check._units("n1", quick=True)
+        gpu_check._units("n1", "quick")
+
+
+def test_offload_speed_runs_p20s_gpu_figures_within_one_ten_minute_command():
+    units = gpu_check._units(None, "offload_speed")
+    parts = ("none", "host_step", "host_delayed", "streamed", "ratio_half")
+    assert units == [*(("offload_32k", p) for p in parts), ("host_rate", None)]
+    assert sum(gpu_check.OFFLOAD_SPEED.values()) <= 10 * 60 - 60
+    args = gpu_check.parse_args(["--offload-speed", "--dry-run"])
+    assert (args.preset, args.units) == ("offload_speed", units)
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--offload-speed", "--quick"])
 
 
 @pytest.mark.slow
