@@ -28,6 +28,13 @@ class Gradients(NamedTuple):
     on_host: tuple | None = None  # per leaf, ``reduced``'s copy made in backward, host memory
     # (:func:`copied_in_backward`), or None (the host step copies that leaf after backward)
 
+    def copies_or_reduced(self) -> list:
+        """Per parameter leaf, what the host reads of its reduced gradient: the host copy
+        backward made (``on_host``), else the reduced shard on the device."""
+        reduced = jax.tree.leaves(self.reduced)
+        copies = self.on_host or (None,) * len(reduced)
+        return [g if c is None else c for g, c in zip(reduced, copies)]
+
 
 def copied_in_backward(plan: Plan, reducer: Reducer) -> tuple[bool, ...]:
     """Per parameter leaf, whether backward copies its reduced shard to host memory where it

@@ -21,6 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from .axis_types import is_auto, on_compute_mesh, typed
+from .comm.collectives import in_host_memory
 from .input_checks import check_live
 from .leaf_layout import pad, unpad
 from .options.precision import LossScale, Precision
@@ -55,11 +56,14 @@ def to_device(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
 
 def to_host(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
     """Leaves in device memory -> their planned sharding and memory kind (e.g. pinned host
-    memory). The sharding is constrained first: XLA:CPU compiles the move itself away."""
+    memory). The sharding is constrained first: XLA:CPU compiles the move itself away. A
+    leaf already in host memory (a gradient copied there in backward) is only placed."""
 
     def move(x: jax.Array, s: Stored) -> jax.Array:
         if s.memory_kind is None:
             return x
+        if in_host_memory(x):
+            return jax.device_put(x, plan.compute_sharding(s))
         x = jax.lax.with_sharding_constraint(x, device_sharding(plan, s))
         return jax.device_put(x, plan.compute_sharding(s))
 

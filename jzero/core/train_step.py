@@ -260,19 +260,11 @@ def _delayed(update, state, outputs, config) -> tuple[ZeroState, Metrics]:
     if config.step.has_aux:
         metrics["aux"] = aux
     new_state = _update(update, state, _held(plan, pending), pending.apply)
-    pending = Pending(_to_hold(plan, grads), grads.denominator, jnp.ones((), jnp.bool_))
+    held = to_host(plan, jax.tree.unflatten(plan.params_def, grads.copies_or_reduced()),
+                   plan.pending)  # fmt: skip
+    pending = Pending(held, grads.denominator, jnp.ones((), jnp.bool_))
     new_state = new_state.replace(step=state.step + 1, model_state=model_state, pending=pending)
     return new_state, metrics
-
-
-def _to_hold(plan: Plan, grads: Gradients) -> Any:
-    """This step's reduced gradient as the next step holds it, in host memory: the copy
-    backward made (``grads.on_host``), else the reduced shard moved down now."""
-    held = jax.tree.leaves(to_host(plan, grads.reduced, plan.pending))
-    copies = grads.on_host or (None,) * len(held)
-    put = lambda c, s: jax.device_put(c, plan.compute_sharding(s))
-    held = [h if c is None else put(c, s) for h, c, s in zip(held, copies, plan.pending)]
-    return jax.tree.unflatten(plan.params_def, held)
 
 
 def _held(plan: Plan, pending: Pending) -> Gradients:

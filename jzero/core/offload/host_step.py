@@ -97,7 +97,7 @@ def host_update(
     o, w, n = jax.tree.leaves(opt_state), jax.tree.leaves(weights), len(plan.params)
     env, shared = _global_part(split, plan, grads, o, finite)
     new_o, new_p, new_w = [shared.get(j, x) for j, x in enumerate(o)], [None] * n, [None] * n
-    reduced = _reduced_on_host(grads)
+    reduced = grads.copies_or_reduced()
     common = _down((grads.denominator, finite))
     for b in split.buckets:
         if not _on_host(plan, b):  # Offload.ratio: this leaf's state rests on the device
@@ -191,15 +191,6 @@ def _global_part(
         new = keep(read(env, outs[n + j]), env[ins[n + j]])
         shared[j] = to_host(plan, store([new], [plan.opt[j]]), [plan.opt[j]])[0]
     return env, shared
-
-
-def _reduced_on_host(grads: Gradients) -> list:
-    """Per parameter leaf, its reduced gradient: the host copy backward made as it reduced
-    it (``grads.on_host``, ZeRO-Offload's copy during backward), else the shard on the
-    device (a host bucket copies it down after backward)."""
-    reduced = jax.tree.leaves(grads.reduced)
-    copies = grads.on_host or (None,) * len(reduced)
-    return [g if c is None else c for g, c in zip(reduced, copies)]
 
 
 def _down(xs: Any) -> Any:

@@ -135,8 +135,9 @@ def _moved(text: str) -> dict[str, int]:
 def test_the_streamed_step_moves_its_state_in_and_out_once(stage, chunk):
     """Over the link a streamed step moves every byte of the state resting in host memory
     to the device once and back once (2 x the state's bytes: what bounds its time on a
-    link), read from the step lowered for ``cuda`` (XLA:CPU lowers the moves to nothing). In chunks (64 elements), the chunks brought in sum to the state;
-    their write-backs are updates of the host buffer, which the text also annotates."""
+    link), read from the step lowered for ``cuda`` (XLA:CPU lowers the moves to nothing).
+    In chunks (64 elements), the chunks brought in sum to the state; their write-backs are
+    updates of the host buffer, which the text also annotates."""
     offload = jzero.Offload(optimizer="stream", chunk=chunk)
     opt = jzero.ZeroOptimizer(
         TXS["adam"], jzero.data_mesh(), stage=stage, min_shard_size=1, precision=BF16,
