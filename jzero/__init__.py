@@ -24,6 +24,7 @@ from .config.deepspeed import from_deepspeed_config as from_deepspeed_config
 from .core.comm.gatherer import Sharded as Sharded
 from .core.comm.gatherer import gather as gather
 from .core.gather.remat import remat_layer as remat_layer
+from .core.gpu_target import gpu_mesh as gpu_mesh
 from .core.leaf_layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
 from .core.mesh import hybrid_mesh as hybrid_mesh

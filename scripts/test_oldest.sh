@@ -8,12 +8,16 @@
 # the host optimizer step (compute_on's form changed in jax 0.11.1) with its checkpoint
 # and its gradient copies in backward (read from the step lowered for cuda),
 # the compiled peak per memory space (it reads XLA's HLO text), Orbax checkpoints that
-# reshard, Flax Linen and NNX at stage 3, and the GPU check's fast tests (test_gpu_check).
+# reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for absent GPUs (the
+# CUDA plugin 0.11.2), and the GPU check's fast tests (test_gpu_check).
 # scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
 .venv-oldest/bin/python -m pip install -q -e '.[dev]' -c ci/oldest-pins.txt
+# jzero.gpu_mesh's tests: the CUDA plugin (compile-only) at the oldest jaxlib, 0.11.2
+.venv-oldest/bin/python -m pip install -q -e '.[dev,gpu-compile]' -c ci/oldest-pins.txt \
+    'jax-cuda12-plugin==0.11.2' 'jax-cuda12-pjrt==0.11.2'
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
     tests/internal/test_versions.py tests/internal/test_jax_internals.py \
     tests/core/test_moved_internals.py tests/accounting/test_hlo_stages.py \
@@ -29,7 +33,7 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/checkpoint/test_checkpoint.py::test_round_trip_reshards_across_stages_and_device_counts[saved3-restored3]" \
     "tests/checkpoint/test_checkpoint.py::test_resume_equals_uninterrupted_bitwise[precision1]" \
     "tests/adapters/test_flax.py::test_linen_matches_single_device[3]" \
-    "tests/adapters/test_flax.py::test_nnx_matches_single_device[3]" "$@"
+    "tests/adapters/test_flax.py::test_nnx_matches_single_device[3]" tests/core/gpu_target "$@"
 # test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
 # minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider tests/project/test_gpu_check.py "$@"

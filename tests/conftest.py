@@ -5,7 +5,14 @@ under it (e.g. Adam's bias correction computes ``float ** int32``), and the orac
 unmodified Optax.
 """
 
-import jax
+import os
+
+# The CPU alone, in this process and in the processes tests start: with JAX's CUDA plugin
+# installed (the gpu-compile extra, for jzero.gpu_mesh) and no GPU, JAX would otherwise try
+# the plugin first. It still describes GPUs to compile for.
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")

@@ -230,8 +230,14 @@ class Report:
         return notes
 
 
+def _one_shard_bytes(x: Any) -> int:
+    """One device's shard of ``x``, a live array or an abstract one (``jax.eval_shape``'s,
+    e.g. a state for compile-only GPUs: :func:`jzero.gpu_mesh`)."""
+    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+
+
 def _shard_bytes(tree: Any) -> int:
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+    return sum(_one_shard_bytes(x) for x in jax.tree.leaves(tree))
 
 
 def _device_first(kind: str) -> tuple[bool, str]:
@@ -242,7 +248,7 @@ def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
     out: dict[str, int] = {}
     for x in jax.tree.leaves(tree):
         kind = x.sharding.memory_kind or "device"
-        out[kind] = out.get(kind, 0) + x.addressable_shards[0].data.nbytes
+        out[kind] = out.get(kind, 0) + _one_shard_bytes(x)
     return out
 
 
@@ -271,7 +277,8 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         train_step: the jitted step from ``ZeroOptimizer.train_step`` (anything with
             ``.lower(state, batch).compile()``). Nothing is run; ``state`` is not donated.
         state: a :class:`ZeroState` with live arrays (one consumed by a donating step is
-            refused with a ``ValueError``).
+            refused with a ``ValueError``), or an abstract one (``jax.eval_shape`` of
+            ``opt.init_program``'s), e.g. for compile-only GPUs (:func:`jzero.gpu_mesh`).
         batch: a batch of the shapes the step is trained on.
 
     Raises:
@@ -314,7 +321,7 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         theory_comm = theory_comm_bytes_hpz(
             param_bytes_S=param_total, devices=n, group=hpz, replicas=plan.replica_size
         )
-    on_cpu = any(d.platform == "cpu" for d in jax.tree.leaves(state.params)[0].devices())
+    on_cpu = any(d.platform == "cpu" for d in jax.tree.leaves(state.params)[0].sharding.device_set)
     notes = (CPU_NOTE,) if on_cpu and min(itemsizes, default=4) < 4 else ()
     if any(c.kind == "all-gather" and c.dtype in ("s8", "u8", "s4", "u4") for c in colls):
         notes += (QUANT_NOTE,)

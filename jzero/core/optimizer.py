@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..internal.primitives import warn_missing_primitives
 from .boxed import box_specs, has_boxes
+from .gpu_target.compile_only import check_offload_target, check_runnable
 from .input_checks import (
     check_leaves,
     check_same_on_every_process,
@@ -102,6 +103,7 @@ class ZeroOptimizer:
             )
         self.tx, self.mesh = tx, mesh
         self.config = zero_config(config, options, what="ZeroOptimizer")
+        check_offload_target(mesh, self.config.offload)
         self.data_size = self.config.check(mesh)
         self.replica_size = dict(mesh.shape).get(REPLICA, 1)
         warn_missing_primitives()
@@ -186,6 +188,7 @@ class ZeroOptimizer:
             model_state: optional non-trainable state (e.g. Flax ``batch_stats``), kept
                 replicated; see ``train_step(..., with_model_state=True)``.
         """
+        check_runnable(self.mesh, "ZeroOptimizer.init")
         if model_state is not None:
             check_leaves(model_state, "model_state")
         fn, arg = self.init_program(params, init_fn=init_fn)

@@ -26,6 +26,7 @@ from .batch_sharding import check_batch_sharding
 from .comm.collectives import all_gather
 from .comm.gatherer import Gatherer
 from .comm.reducer import Reducer
+from .gpu_target.compile_only import check_runnable
 from .grad_reduction import Gradients, copied_in_backward
 from .input_checks import check_batch, check_global_batch, check_live, check_state
 from .leaf_layout import pad, unpad
@@ -71,6 +72,7 @@ class TrainStep:
         self._steps = StepCount()  # Offload(delay=1): which program takes the next step
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        check_runnable(self._mesh, "TrainStep.__call__")
         # First, so that the checks below fail alike on every process (multi-process runs:
         # one small gather per new batch layout, before the step's first collective).
         self._agreement.check(state, batch)

@@ -10,6 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..gpu_target.compile_only import check_runnable
 from ..input_checks import check_leaves
 from ..optimizer import ZeroOptimizer
 from ..options.layout import Layout
@@ -40,6 +41,7 @@ def shard_params(params: Any, mesh: Mesh, *, layout: Layout | None = None) -> An
         >>> tx = jzero.shard_optimizer(optax.adamw(3e-4), mesh, stage=3)
         >>> opt_state = tx.init(params)
     """
+    check_runnable(mesh, "jzero.shard_params")
     check_leaves(params, "params", allow_empty=False)
     specs = stage3_specs(params, mesh, layout)
     return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))

@@ -1,0 +1,154 @@
+"""``jzero.gpu_mesh``: compile-only GPU meshes from XLA's specs, compiled for on the CPU.
+
+They need JAX's CUDA plugin (the ``gpu-compile`` extra, which ``scripts/test.sh`` installs);
+without it this module is skipped. The errors that need no plugin are in
+``test_gpu_target_errors.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jzero
+from jzero.core.gpu_target import gpu_names, is_compile_only
+
+pytest.importorskip(
+    "jax_plugins.xla_cuda12",
+    reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
+    "'jax-cuda12-plugin==V' 'jax-cuda12-pjrt==V' (V = jaxlib's version)",
+)
+
+GPUS = {  # name -> (device_kind, device_memory_size): the values of XLA's specs
+    "a100": ("NVIDIA A100-SXM4-80GB", 85100068864),
+    "b200": ("NVIDIA B200", 191514411008),
+    "h100": ("NVIDIA H100 80GB HBM3", 84942979072),
+    "h200": ("NVIDIA H200 141GB HBM3e", 151397597184),
+    "v100": ("Tesla V100-SXM2-32GB", 34089730048),
+    "v100-16gb": ("Tesla V100-SXM2-16GB", 16935682048),
+}
+
+
+def _spec(name: str) -> str:
+    files = importlib.resources.files("jzero.core.gpu_target")
+    return files.joinpath("specs", f"{name.replace('-', '_')}.txtpb").read_text()
+
+
+def _rows(mesh, shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P("data")))
+
+
+def test_the_names_are_the_specs_shipped():
+    assert gpu_names() == tuple(GPUS)
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_each_spec_parses_and_compiles_for_its_gpu(name):
+    kind, memory = GPUS[name]
+    text = _spec(name)
+    assert re.search(r"^# Source: openxla/xla, xla/backends/gpu/target_config/specs/", text, re.M)
+    assert re.search(r"^# at commit [0-9a-f]{40}\.$", text, re.M)
+    assert f"device_memory_size: {memory}\n" in text
+    assert f'device_description_str: "{kind}"' in text
+
+    mesh = jzero.gpu_mesh(name.upper())
+    assert dict(mesh.shape) == {"data": 8} and is_compile_only(mesh)
+    assert {d.device_kind for d in mesh.devices.flat} == {kind}
+    assert {d.platform for d in mesh.devices.flat} == {"gpu"}
+    x = _rows(mesh, (64, 32))
+    compiled = jax.jit(lambda x: jnp.tanh(x) * 2).trace(x).lower().compile()
+    stats = compiled.memory_analysis()
+    assert stats.argument_size_in_bytes == stats.output_size_in_bytes == 64 * 32 * 4 // 8
+
+
+def test_the_cpu_devices_stay_beside_the_gpus():
+    mesh = jzero.gpu_mesh("h200")
+    assert jax.devices()[0].platform == "cpu" and jax.device_count() == 8
+    assert not is_compile_only(jzero.data_mesh()) and not is_compile_only(jax.devices())
+    assert is_compile_only(mesh.devices.flat[0]) and is_compile_only(list(mesh.devices.flat))
+
+
+def test_64_gpus_over_8_hosts_compile_a_sharded_matmul():
+    mesh = jzero.gpu_mesh("h100", devices=64, hosts=8)
+    processes = [d.process_index for d in mesh.devices.flat]
+    assert processes == [i // 8 for i in range(64)]  # host by host, 8 GPUs each
+    assert [d.id for d in mesh.devices.flat] == list(range(64))
+    x = _rows(mesh, (4096, 4096))
+    compiled = jax.jit(lambda x: x @ x.T).trace(x).lower().compile()
+    assert compiled.output_shardings.spec == P("data")
+    assert compiled.memory_analysis().output_size_in_bytes == 4096 * 4096 * 4 // 64
+    assert "all-gather" in compiled.as_text()
+
+
+def test_two_axes_default_to_one_row_per_host():
+    mesh = jzero.gpu_mesh("h200", devices=16, hosts=2, axis_names=("replica", "data"))
+    assert dict(mesh.shape) == {"replica": 2, "data": 8}
+    assert [{d.process_index for d in row} for row in mesh.devices] == [{0}, {1}]
+    mesh = jzero.gpu_mesh("h200", devices=16, hosts=2, axis_names=("data", "model"), shape=(4, 4))
+    assert dict(mesh.shape) == {"data": 4, "model": 4}
+
+
+def test_one_topology_per_cluster_whatever_the_spelling():
+    a = jzero.gpu_mesh("h100").devices.flat[0]
+    assert jzero.gpu_mesh("H100-SXM").devices.flat[0] is a
+    assert jzero.gpu_mesh("h100", devices=16, hosts=2).devices.flat[0] is not a
+
+
+def _loss(params, batch):
+    return jnp.mean((jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
+
+
+def _init():
+    return {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512, 16))}
+
+
+@pytest.fixture(scope="module")
+def stage3():
+    """A stage-3 Adam optimizer on 8 compile-only H100s, its abstract state and batch."""
+    mesh = jzero.gpu_mesh("h100")
+    opt = jzero.ZeroOptimizer(optax.adam(1e-3), mesh, stage=3)
+    state = jax.eval_shape(*opt.init_program(init_fn=_init))
+    batch = {"x": _rows(mesh, (64, 256)), "y": _rows(mesh, (64, 16))}
+    return opt, state, batch
+
+
+def test_a_zero_optimizer_step_compiles_for_the_gpus(stage3):
+    opt, state, batch = stage3
+    w1 = state.params["w1"]
+    assert w1.sharding.mesh == opt.mesh and w1.sharding.spec == P(None, "data")
+    assert jax.tree.leaves(state.opt_state)[1].sharding.mesh == opt.mesh
+    compiled = opt.train_step(_loss).lower(state, batch).compile()
+    text = compiled.as_text()
+    assert "all-gather" in text and "reduce-scatter" in text
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    shards = (nbytes((state.params, state.opt_state)) + nbytes(batch)) // 8  # one per GPU
+    assert shards <= compiled.memory_analysis().argument_size_in_bytes < shards + 64  # scalars
+
+
+def test_running_on_the_gpus_is_refused(stage3):
+    opt, state, batch = stage3
+    fix = "compile with jax.jit(...).trace(...).lower().compile()"
+    with pytest.raises(RuntimeError, match=r"ZeroOptimizer.init would run .* compile-only GPUs"):
+        opt.init(init_fn=_init)
+    with pytest.raises(RuntimeError, match=re.escape(fix)):
+        opt.train_step(_loss)(state, batch)
+    tx = jzero.shard_optimizer(optax.adam(1e-3), opt.mesh, stage=1)
+    with pytest.raises(RuntimeError, match=re.escape("jzero.shard_optimizer(...).init")):
+        tx.init(_init())
+    with pytest.raises(RuntimeError, match=re.escape("jzero.shard_params would run")):
+        jzero.shard_params(_init(), opt.mesh)
+
+
+def test_offload_is_refused_on_the_gpus():
+    mesh = jzero.gpu_mesh("h100")
+    for offload in (jzero.Offload(optimizer="stream"), jzero.Offload(params=True)):
+        with pytest.raises(ValueError, match="XLA drops memory kinds on them"):
+            jzero.ZeroOptimizer(optax.adam(1e-3), mesh, stage=3, offload=offload)
+    jzero.ZeroOptimizer(optax.adam(1e-3), mesh, stage=3, offload=jzero.Offload())  # none
