@@ -92,7 +92,7 @@ def local_grads(
         grads = [(g[0] if isinstance(g, tuple) else g).astype(reducer.dtype) for g in grads]
         if plan.config.partitions_opt_state and not plan.config.partitions_grads:
             # P_os alone: the whole local gradient exists before any of it is reduced
-            grads = after(grads, [g.reshape(-1)[:1] for g in grads])
+            grads = after(grads, [g.reshape(-1)[:1] for g in grads], zero_once=True)
         grads = [reduce(plan, g, lay, reducer) for g, lay in zip(grads, plan.layouts)]
         model_state = jax.tree.map(lambda x: agree(x, axes), model_state)
         aux = jax.tree.map(lambda x: agree_aux(x, axes), aux)
