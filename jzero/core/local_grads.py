@@ -31,7 +31,7 @@ from ..internal.vmap_axes import without_vma_checks
 from . import rng
 from .axis_aliases import aliased, as_tuple, explain_unknown_axis
 from .comm.collectives import after, saves_no_gathered
-from .comm.gatherer import Gatherer, Sharded, gather_each
+from .comm.gatherer import Gatherer, Sharded
 from .comm.reducer import Reducer
 from .gather.autogather import gather_where_used
 from .grad_reduction import agree, agree_aux, combine_micro, copied_in_backward, reduce
@@ -214,8 +214,9 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Ga
             run = gather_where_used(
                 call_loss, prefetch=gatherer.prefetch, policy=options.remat_policy
             )
-        else:  # leaf by leaf: stage 2 reduce-scatters each where backward completes it
-            run = lambda p, *rest: call_loss(gather_each(p), *rest)
+        else:  # stage 2 reduce-scatters each leaf where backward completes it, and a
+            # scanned stack's layer by layer, inside the backward loop
+            run = gather_where_used(call_loss, scans_only=True)
         loss, model_state, aux = run(p, model_state, micro_batch)
         if isinstance(loss, Weighted):  # differentiate the sum; divided globally later
             return loss.total * scale, (loss, model_state, aux)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from ...internal.primitives import varying_axes
 from ..leaf_layout import LeafLayout
 from ..mesh import DATA
 from ..options.communication import Quant
@@ -79,7 +80,14 @@ class Gatherer:
         where they rest in host memory), or the local full copies (stage 2)."""
         if self.gathers:
             return self.all_gather([on_device(x) for x in values], layouts)
-        return [jax.lax.pcast(x, DATA, to="varying") for x in values]
+        # named as gathered, so that no remat policy of jzero's saves it for backward (a
+        # scan step reading its layer would save a second copy of the whole stack)
+        return [checkpoint_name(_varying(x), GATHERED) for x in values]
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    """``x`` varying over 'data' (a layer indexed in a loop whose index varies already is)."""
+    return x if DATA in varying_axes(x) else jax.lax.pcast(x, DATA, to="varying")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -48,6 +48,7 @@ from ...internal.equation import (
     equations,
     only_indexed,
     trace,
+    walk,
     without_dead_equations,
 )
 from ...internal.interpret import Interpreter, narrowest_cut, run, run_in_regions
@@ -64,12 +65,21 @@ _KEEP = jax.checkpoint_policies.everything_saveable
 
 
 def gather_where_used(
-    fn: Callable[..., Any], *, prefetch: bool = False, policy: Callable[..., Any] | None = None
+    fn: Callable[..., Any],
+    *,
+    prefetch: bool = False,
+    policy: Callable[..., Any] | None = None,
+    scans_only: bool = False,
 ) -> Callable[..., Any]:
     """``fn(params, *args)`` for ``params`` holding :class:`Sharded` handles, each gathered
     where ``fn`` uses it (per layer inside scans over stacked parameters). ``policy``: what
     backward keeps of each scan step and each repeated layer of an unrolled model
     (:attr:`jzero.StepOptions.remat_policy`).
+
+    ``scans_only`` (stage 2, whose handles hold the whole parameter): only scans over
+    stacked parameters, and loops that index them, take them one layer at a time, so that
+    each layer's gradient is reduce-scattered inside the backward loop step that completes
+    it; everywhere else a parameter is used whole where first read, and held.
 
     Equal to ``fn(jzero.gather(params), *args)`` in value and gradient.
     """
@@ -78,19 +88,17 @@ def gather_where_used(
         try:
             return per_use(params, *args)
         except InternalMoved as moved:
-            warn_fallback(
-                "stage 3's per-layer gathering" + (" and prefetch" if prefetch else ""),
-                moved,
-                "every parameter is gathered at the start of the loss and held through it",
-                f"{_whole_model_bytes(params):,} bytes of gathered parameters per device "
-                "held at once, instead of about one layer's",
-            )
+            _warn_whole(params, moved, prefetch=prefetch, scans_only=scans_only)
             return fn(gather_each(params), *args)
 
     def per_use(params: Any, *args: Any) -> Any:
         whole = lambda p, *a: fn(gather_each(p), *a)
         traced, out_shape = trace(whole, params, *args, return_shape=True)
         traced = without_dead_equations(traced)
+        if scans_only:
+            rules = _Gathering(_handles(params), scans_only=True)
+            out = run(traced, jax.tree.leaves((params, args)), rules)
+            return jax.tree.unflatten(jax.tree.structure(out_shape), out)
         shared, reads = _dry_run(traced, params, args)
         rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
         leaves = jax.tree.leaves((params, args))
@@ -120,6 +128,24 @@ _NOTHING_TO_RECOMPUTE = (
     "jax.checkpoint (or use jzero.remat_layer with manual_gather=True, or layers= with the "
     "Flax adapters), or leave remat_policy=None."
 )
+
+
+def _warn_whole(params: Any, moved: InternalMoved, *, prefetch: bool, scans_only: bool) -> None:
+    """Warns that the loss runs on every parameter used whole (:func:`gather_each`)."""
+    if scans_only:
+        warn_fallback(
+            "stage 2's per-layer gradient reduction in scans", moved,
+            "each stacked gradient is reduce-scattered after the backward loop",
+            f"up to {_whole_model_bytes(params):,} bytes of whole stacked gradients per "
+            "device held at once, instead of about one layer's",
+        )  # fmt: skip
+        return
+    warn_fallback(
+        "stage 3's per-layer gathering" + (" and prefetch" if prefetch else ""), moved,
+        "every parameter is gathered at the start of the loss and held through it",
+        f"{_whole_model_bytes(params):,} bytes of gathered parameters per device "
+        "held at once, instead of about one layer's",
+    )  # fmt: skip
 
 
 def _whole_model_bytes(params: Any) -> int:
@@ -195,6 +221,9 @@ class _Gathering(Interpreter):
     ``shared``: the keys of the parameters used more than once (gathered where first read,
     and held); None inside loop bodies, where nothing is gathered per use. ``counting``:
     a dry run that counts each parameter's uses in :attr:`uses` (nothing per use).
+    ``scans_only``: stage 2's rules (:func:`gather_where_used`): only scans, indexing and
+    checkpoints take deferred parameters as they are; any other equation reads them whole,
+    once.
     """
 
     def __init__(
@@ -205,6 +234,7 @@ class _Gathering(Interpreter):
         policy: Callable[..., Any] | None = None,
         shared: frozenset[int] | None = None,
         counting: bool = False,
+        scans_only: bool = False,
     ):
         self.handles = {id(h.sink): h for h in handles}
         self.position = {id(h.sink): i for i, h in enumerate(handles)}
@@ -213,7 +243,7 @@ class _Gathering(Interpreter):
         self._positions: dict[int, int] = {}  # counting: key -> handle position
         self.own_layers = False  # counting: a scan or checkpoint takes deferred parameters
         self.prefetch, self.shared, self.counting = prefetch, shared, counting
-        self.policy = policy
+        self.policy, self.scans_only = policy, scans_only
         self.uses: collections.Counter[int] = collections.Counter()
         self._keys = itertools.count()
 
@@ -223,7 +253,7 @@ class _Gathering(Interpreter):
 
     def nested(self) -> _Gathering:
         """The rules for a loop body: the same options, nothing gathered per use."""
-        return _Gathering(prefetch=self.prefetch, policy=self.policy)
+        return _Gathering(prefetch=self.prefetch, policy=self.policy, scans_only=self.scans_only)
 
     def read(self, x: Any, atom: Any = None) -> Any:
         del atom
@@ -249,6 +279,8 @@ class _Gathering(Interpreter):
             return _checkpoint(eqn.remat(), values)
         if (layer := self._indexed(eqn, values)) is not None:
             return [layer]
+        if self.scans_only:
+            return None  # read whole where first used
         if eqn.first_order and any(map(is_lazy, values)):
             if not self.counting:
                 return use(eqn, values, self.read)
@@ -269,6 +301,8 @@ class _Gathering(Interpreter):
                 self.reads[self._positions[b.key]].append(self.at)
 
     def _deferred(self, handle: Sharded, parent: Deferred | None = None) -> Deferred:
+        if self.scans_only:
+            return Deferred(handle)  # read whole where first used, once
         if self.shared is None:  # a loop body: a layer indexed from a stack (a fori_loop's
             return Deferred(handle, per_use=parent is not None)  # w[i]) gathered at its use
         key = next(self._keys)
@@ -340,11 +374,20 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
     # Rematerialised per step: backward gathers each layer again inside its own loop
     # step (and keeps the step's activations, or what rules.policy saves), instead of a
     # recomputing forward loop stacking every layer's gathered parameters for backward.
-    step = jax.checkpoint(step, policy=saves_no_gathered(rules.policy or _KEEP))
+    # Stage 2 reads its layer of the local copy, named as gathered too (kept, it would be
+    # a second copy of the stack); a body that rematerialises layers itself reads them
+    # inside its checkpoints, whose policies an outer one would override.
+    if not (rules.scans_only and _rematerialises(scan.body)):
+        step = jax.checkpoint(step, policy=saves_no_gathered(rules.policy or _KEEP))
     carry, ys = jax.lax.scan(
         step, init, scanned, length=scan.length, reverse=scan.reverse, unroll=scan.unroll
     )
     return [*carry, *ys]
+
+
+def _rematerialises(body: Any) -> bool:
+    """Whether a loop ``body`` holds a ``jax.checkpoint`` of its own (e.g. ``nn.remat``)."""
+    return any(e.kind is Kind.REMAT for e in walk(body))
 
 
 def _checkpoint(remat: Remat, operands: list[Any]) -> list[Any]:
