@@ -10,6 +10,7 @@ inside a scan, again in backward under remat: ZeRO-3's schedule.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -38,4 +39,24 @@ def whole_over_data(tree: Any, mesh: Mesh) -> Any:
     if _in_manual_data():
         return tree
     whole = NamedSharding(mesh, P())
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)
+    return jax.tree.map(lambda x: _whole(x, whole), tree)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _whole(x: jax.Array, whole: NamedSharding) -> jax.Array:
+    """``x`` constrained whole, its cotangent left unconstrained: the compiler reduces it
+    onto the gradient's own layout (a reduce-scatter where the optimizer constrains it onto
+    its shards, inside the loop step that computes it), where the constraint's transpose
+    would constrain it whole (an all-reduce of every layer's gradient)."""
+    return jax.lax.with_sharding_constraint(x, whole)
+
+
+def _whole_fwd(x, whole):
+    return _whole(x, whole), None
+
+
+def _whole_bwd(whole, _, ct):
+    return (ct,)
+
+
+_whole.defvjp(_whole_fwd, _whole_bwd)

@@ -2,7 +2,7 @@
 ``jax.jit`` step.
 
 The state is laid out along ``data`` (:mod:`.layout`); ``update`` constrains the gradients
-to that layout at stage >= 2, so the compiler reduce-scatters them instead of all-reducing,
+to that layout at stages 1-3, so the compiler reduce-scatters them instead of all-reducing,
 runs the wrapped update on the shards, and hands back updates in the parameters' layout:
 replicated at stages 1-2 (the compiler all-gathers them), sharded at stage 3. Unlike
 ``ZeroOptimizer``'s own step, the compiler places the collectives: per-layer gathering,
@@ -23,6 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from ..axis_types import compute_mesh, on_compute_mesh, typed
+from ..gpu_target.compile_only import check_runnable
 from ..input_checks import check_leaves
 from ..optimizer import ZeroOptimizer
 from ..options.zero_config import ZeroConfig, zero_config
@@ -111,6 +112,8 @@ class _ShardedTransformation:
         return MasterWeightsState(lay.state, lay.master) if self.mixed else lay.state
 
     def init(self, params: optax.Params) -> optax.OptState:
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            check_runnable(self.mesh, "jzero.shard_optimizer(...).init")  # jax.eval_shape may
         check_leaves(params, "params", allow_empty=False)
         lay = self.layout(params)
         if self.config.stage == 3:
@@ -141,10 +144,9 @@ class _ShardedTransformation:
         """On the ``Auto`` twin: gradients and parameters onto the shards, the update there,
         the updates back in the parameters' layout."""
         lay, twin = self.layout(grads), self.twin
-        if self.config.stage >= 2:  # the compiler reduces onto the shards
-            grads = self._on_twin(grads, lay.shards)
-        else:
-            grads = reshard(grads, lay.params, lay.shards, twin)
+        # The compiler reduce-scatters the gradients onto the shards (stages 1-3; as they
+        # are at stage 0): sliced from whole ones, they would be all-reduced first.
+        grads = self._on_twin(grads, lay.shards)
         shards = None if params is None else reshard(params, lay.params, lay.shards, twin)
         if self.mixed:
             return self._master_update(grads, state, params, shards, extra)

@@ -153,15 +153,24 @@ def test_gather_with_the_mesh_makes_the_compiler_gather_layers_as_zero3_does():
     """The example GPT (scanned, rematerialised blocks that call ``jzero.gather``) at stage 3.
     Without the mesh the compiler keeps weights sharded and reshards activations (all-to-alls,
     collective-permutes); with ``jzero.gather(..., mesh=mesh)`` it all-gathers exactly the
-    bytes jzero's own stage 3 gathers: each layer in forward and again in backward."""
+    bytes jzero's own stage 3 gathers: each layer in forward and again in backward. Its
+    cotangent is left to the compiler (XLA:GPU reduce-scatters each layer's inside the
+    backward loop: tests/core/gpu_target); XLA:CPU reshards a few small stacked cotangents
+    with all-to-alls, under 2 % of the gathered bytes, where the plain step reshards the
+    activations themselves, and gathers 0.2 % more than jzero's own step."""
     cfg = gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)
     plain = _gpt_step_collectives(_user_stage3, cfg)
     assert {c.kind for c in plain} - {"all-gather", "all-reduce"}  # activations resharded
     mesh = jzero.data_mesh()
     gathered = _gpt_step_collectives(_user_stage3, dataclasses.replace(cfg, gather_mesh=mesh))
-    assert {c.kind for c in gathered} == {"all-gather", "all-reduce"}
+    assert {c.kind for c in gathered} <= {"all-gather", "all-reduce", "all-to-all"}
+    assert comm_bytes(gathered)["other"] <= 0.02 * comm_bytes(gathered)["all-gather"]
+    assert comm_bytes(plain)["other"] > 0.2 * comm_bytes(plain)["all-gather"]
     own = _gpt_step_collectives(_own_stage3, cfg)
-    assert comm_bytes(gathered)["all-gather"] == comm_bytes(own)["all-gather"]
+    # XLA:CPU gathers 0.2 % more with the cotangent left to it (exactly as much before)
+    assert comm_bytes(gathered)["all-gather"] == pytest.approx(
+        comm_bytes(own)["all-gather"], rel=0.005
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 3])
