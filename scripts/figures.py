@@ -2,7 +2,8 @@
 
 Nothing measured is typed into the docs: every figure on the benchmark page (and the
 tables the guides include) is written here from ``benchmarks/*.json``, which
-``scripts/bench.py``, ``scripts/accuracy.py`` and ``scripts/frozen_peer_trials.py`` write.
+``scripts/bench.py``, ``scripts/accuracy.py``, ``scripts/frozen_peer_trials.py`` and
+``scripts/table2_gpu.py`` (its own verdicts, ``target_met``) write.
 The PASS/FAIL lines are the scripts' own checks (``bench.checks``, ``max_model_table``)
 run on the committed numbers.
 
@@ -256,6 +257,114 @@ def max_model_md(mm_json: dict[str, Any]) -> str:
     verdicts = [line for line in table.splitlines() if line.startswith(("PASS", "FAIL"))]
     body = head + "\n\n" + _md_table(rows)
     return body + ("\n\n```text\n" + "\n".join(verdicts) + "\n```" if verdicts else "")
+
+
+def table2_gpu_md(t2: dict[str, Any] | None) -> str:
+    """The ZeRO paper's Table 2 compiled for GPUs (``scripts/table2_gpu.py``): per target
+    and stage the largest model that fits, beside the paper's figures for 64 V100s, and
+    the targets' verdicts; or a note when the JSON is absent."""
+    if t2 is None:
+        return (
+            "No `benchmarks/table2_gpu.json` is committed yet: `JAX_PLATFORMS=cpu python "
+            "scripts/table2_gpu.py --out benchmarks/table2_gpu.json` writes it."
+        )
+    m = t2["model"]
+    head = (
+        f"`examples/gpt.py` (sequence {m['seq_len']}, vocabulary {m['vocab']}, one sequence "
+        f"per GPU, {m['optimizer']}, {m['train_step']}), compiled by jax {t2['jax']}'s XLA:GPU "
+        f"for compile-only GPUs. Per device: {t2['memory_formula']}; fits: at most "
+        f"{t2['budget_fraction']:g} x the spec's `device_memory_size`. GB = 1e9 bytes, "
+        "B = 1e9 parameters; states bound: the budget / the paper's model-state bytes a "
+        "parameter (16, divided by N as the stage shards them); the paper's figures are "
+        "for 64 V100-32GB at the full 32 GB."
+    )
+    rows = [(
+        "GPUs", "dtype", "stage", "width x layers", "B params", "GB per GPU",
+        "one layer more, GB", "budget GB", "states bound", "paper: theory", "paper: measured",
+    )]  # fmt: skip
+    verdicts = []
+    for t in t2["targets"]:
+        gpus = f"{t['devices']} x {t['device_kind']}"
+        for s in t["stages"]:
+            paper = s.get("paper", {})
+            rows.append((
+                gpus, t["precision"].split()[0], str(s["stage"]), f"{s['width']} x {s['layers']}",
+                f"{s['params'] / 1e9:,.2f}", f"{s['bytes']['total'] / 1e9:,.2f}",
+                f"{s['next']['bytes']['total'] / 1e9:,.2f}", f"{t['budget_bytes'] / 1e9:,.2f}",
+                f"{s['theory_params'] / 1e9:,.1f} B",
+                f"{paper['theory'] / 1e9:g} B" if paper.get("theory") else "",
+                f"{paper['measured'] / 1e9:g} B" if paper.get("measured") else "",
+            ))  # fmt: skip
+            if "target_params" in s:
+                verdicts.append(
+                    f"{'PASS' if s['target_met'] else 'FAIL'} {t['name']} stage {s['stage']}: "
+                    f"{s['params'] / 1e9:.2f} B >= {s['target_params'] / 1e9:g} B"
+                )
+    body = head + "\n\n" + _md_table(rows)
+    took = f"The search took {t2['wall_seconds'] / 60:.0f} minutes on 2 CPU cores"
+    partial = " (stopped early: the stages found so far)" if t2.get("partial") else ""
+    body += f"\n\n{took}{partial}."
+    return body + ("\n\n```text\n" + "\n".join(verdicts) + "\n```" if verdicts else "")
+
+
+def gpu_compile_md(gc: dict[str, Any] | None) -> str:
+    """The example GPT's steps compiled for compile-only H200s (``scripts/gpu_compile.py``):
+    per program its temporaries, elements sent against the paper's volume, what it
+    all-reduces and whether its in-loop all-gathers overlap compute."""
+    if gc is None:
+        return (
+            "No `benchmarks/gpu_compile_h200.json` is committed yet: `python "
+            "scripts/gpu_compile.py --out benchmarks/gpu_compile_h200.json` writes it."
+        )
+    m = gc["model"]
+    head = (
+        f"`examples/gpt.py` (d_model {m['d_model']}, {m['n_layers']} scanned layers, bf16 "
+        f"compute, fp32 parameters, AdamW; {gc['sequences']} x {m['seq_len']} tokens, "
+        f"{gc['parameters']:,} parameters), compiled by jax {gc['jax']}'s XLA:GPU for "
+        "compile-only H200s. Elements sent: per device per step in the ring model, over "
+        "the paper's 2Ψ(N−1)/N (stages 0-2) or 3Ψ(N−1)/N (stage 3). The stack's fp32 "
+        f"gradient: {_mb(gc['stack_grad_bytes_fp32'])} MB."
+    )
+    rows = [("program", "GPUs", "temp MB", "elements / paper", "all-reduced elements",
+             "in-loop all-gathers overlapped", "compile s")]  # fmt: skip
+    for name, r in gc["runs"].items():
+        gpus = "64" if name.endswith("_64") else "8"
+        looped = r["in_loop_all_gathers"]
+        rows.append((
+            name, gpus, _mb(r["temp_bytes"]), f"{r['elements_over_theory']:.3f}",
+            f"{r['all_reduced_elements']:,}",
+            f"{r['in_loop_all_gathers_overlapped']} of {looped}" if looped else "",
+            f"{r['compile_s']:.0f}",
+        ))  # fmt: skip
+    return head + "\n\n" + _md_table(rows)
+
+
+def _against(r: dict[str, Any] | None, dp: dict[str, Any] | None) -> str:
+    """A run's first step in seconds, and its ratio to plain jit's."""
+    if r is None:
+        return ""
+    ratio = f" ({r['first_s'] / dp['first_s']:.1f}x)" if dp and r is not dp else ""
+    return f"{r['first_s']:.1f} s{ratio}"
+
+
+def compile_time_md(runs: list[dict[str, Any] | None]) -> str:
+    """Time to the first step per run and size (``scripts/compile_time.py``): on XLA:CPU
+    (trace, compile and run) and in the GPU compile (trace and compile), each beside
+    plain jit's."""
+    parts = []
+    for ct in runs:
+        if ct is None:
+            continue
+        names = list(dict.fromkeys(r["run"] for r in ct["runs"]))
+        by = {(r["leaves"], r["run"]): r for r in ct["runs"]}
+        rows = [("leaves", *names)]
+        for leaves in sorted({r["leaves"] for r in ct["runs"]}):
+            dp = by.get((leaves, "dp"))
+            cells = [_against(by.get((leaves, n)), dp) for n in names]
+            rows.append((str(leaves), *cells))
+        parts.append(f"{ct['platform']}, {ct['devices']} devices, jax {ct['jax']}, "
+                     f"{ct['cores']} cores:\n\n" + _md_table(rows))  # fmt: skip
+    return "\n\n".join(parts) or "No compile-time JSON is committed yet."
 
 
 def accuracy_md(acc: dict[str, Any] | None) -> str:
@@ -680,6 +789,11 @@ def generate(out: Path) -> list[Path]:
         "bench_targets.md": bench_targets_md(bench),
         "bench_checkpoint.md": checkpoint_md(bench["checkpoint"]),
         "max_model.md": max_model_md(mm),
+        "table2_gpu.md": table2_gpu_md(_read(BENCH / "table2_gpu.json")),
+        "gpu_compile.md": gpu_compile_md(_read(BENCH / "gpu_compile_h200.json")),
+        "compile_time.md": compile_time_md(
+            [_read(BENCH / "compile_time_cpu8.json"), _read(BENCH / "compile_time_h200.json")]
+        ),
         "accuracy.md": accuracy_md(_read(BENCH / "accuracy_cpu8.json")),
         "frozen_peer.md": frozen_peer_md(_read(BENCH / "frozen_peer_trials.json")),
         "autoconfig.md": autoconfig_md(_read(BENCH / "autoconfig_cpu8.json")),

@@ -17,7 +17,10 @@ def load_script(name: str):
     import sys
 
     sys.path.insert(0, str(EXAMPLES))
+    if name in sys.modules:  # once per process: a script's module-level work runs once
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
