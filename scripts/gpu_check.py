@@ -12,16 +12,16 @@ On a machine lent 10 minutes a command, one piece or part per command (each merg
 the JSON, so the order is free but for offload's ``none`` before its host-step modes):
 ``--only n1``; ``--only offload:none``; ``--only offload:streamed``; ``--only
 offload:host_step``; ``--only offload:host_step_params``; ``--only prefetch``; ``--only
-quant``; ``--only mock8:overlap``; then ``--only mock8:dp`` ... ``--only mock8:zero3``.
+quant``; ``--only agreement``.
 
 ``--quick`` is the check for one lease of 15 minutes (one command of at most 10): each
 unit with its own time limit (:data:`QUICK`): ``n1`` 170 s (it took about 150 s on the
-H200), ``offload_fixed:none`` 70 s, ``offload_fixed:host_step`` 85 s and
-``offload_fixed:streamed`` 80 s (the 1.21 B GPT of d_model 2048 x 24 layers, no search),
-``mock8:overlap`` 55 s, ``table2`` 70 s: 530 s of parts, about 550 s with the machine
-probe. Then ``--only`` any longer piece in the time
-left. ``--offload-speed`` is the same for P20's offload figures in a lease of its own:
-``offload_32k``'s five parts and ``host_rate`` (540 s of parts, estimated).
+H200), ``agreement`` 90 s (estimated: eight compiles, no GPU has run it yet),
+``offload_fixed:none`` 70 s, ``offload_fixed:host_step`` 85 s and
+``offload_fixed:streamed`` 80 s (the 1.21 B GPT of d_model 2048 x 24 layers, no search):
+495 s of parts, about 515 s with the machine probe. Then ``--only`` any longer piece in
+the time left. ``--offload-speed`` is the same for P20's offload figures in a lease of its
+own: ``offload_32k``'s five parts and ``host_rate`` (540 s of parts, estimated).
 
 Pieces (``--only``; a piece with parts runs each part in its own process, and
 ``piece:part`` picks parts):
@@ -36,10 +36,12 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
   ``--xla_gpu_enable_latency_hiding_scheduler=true``: step times, and the same loss.
 - ``quant``: int8 and fp8 parameter gathers: the quantizer's error against its bound,
   the loss against exact gathers, the step time.
-- ``mock8`` (parts ``overlap``, ``dp``, ``zero1``, ``zero2``, ``zero3``): N = 8 on the
-  GPU compiler via ``mock_num_gpu_processes`` (compile only): whether stage 3's
-  all-gathers overlap compute with and without prefetch, and Table 2 (largest GPT per
-  stage in 139 GiB per device; ``scripts/gpu_mock8.py``).
+- ``agreement``: the example GPT's jzero step (``scripts/gpu_compile.py``'s model) at
+  stages 0-3 compiled on the GPU present (N = 1) and on N compile-only GPUs of its kind
+  (``jzero.gpu_mesh``'s spec, described through ``jax.experimental.topologies``): each
+  stage's ``memory_analysis()`` (temporaries, arguments, outputs) within 1 % of the real
+  compile's (``scripts/gpu_agreement.py``). Compiles only; skipped with the reason when
+  the compile-only GPUs cannot be described there.
 - ``offload_fixed`` (parts ``none``, ``host_step``, ``streamed``, ``host_delayed``,
   ``ratio_half``): the modes trained at one fixed size, each in its own process: the
   allocator's peak, the compiled device peak (and the replay's) and the step time.
@@ -57,21 +59,29 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
   between none's and the host step's. Not in ``--quick``: ``--offload-speed`` runs it
   with ``host_rate`` in one command (:data:`OFFLOAD_SPEED`; its time limits are
   estimates, no GPU has run these parts yet).
-- ``table2``: Table 2 at N = 8 from the estimator, each stage compiled once at its
-  predicted size on the mocked GPU compiler. Targets: each compiled peak within the
-  budget; zero3 / dp predicted params >= 7.
 - ``host_rate``: the host step's update alone on the GPU's host (2**26 AdamW parameters
   with fp32 master weights, as 1, 8 and 32 leaves: one host computation each) against
   the STREAM triad on every core; target: the best >= 0.7 x the triad. In
   ``--offload-speed``, not in ``--quick``.
 
-Each part runs in a fresh process (a GPU's memory is the part's alone; XLA flags and the
-GPU mock must be set before JAX starts) with a time limit (``--part-seconds``), and its
-result is merged into the JSON (``--json``, default benchmarks/gpu_check.json): a
+Retired: what needs only a compile comes from XLA's GPU compiler without a GPU
+(``jzero.gpu_mesh``), in CI. ``mock8`` (whether stage 3's all-gathers overlap compute,
+with and without prefetch, on 8 mocked GPUs; Table 2 searched at N = 8) and ``table2``
+(Table 2 from the estimator, compiled once per stage) are gone from the check: the
+overlap, the collectives and the model states compiled for 8 and 64 H200s are asserted
+by ``tests/core/gpu_target/test_compiled_for_gpus.py`` (figures:
+``scripts/gpu_compile.py``), Table 2 on compile-only V100s and H200s by
+``scripts/table2_gpu.py`` (``benchmarks/table2_gpu.json``). Their figures from the H200's
+run stay in ``benchmarks/gpu_check.json``. A lent GPU measures time, offload, and the
+agreement of its real compile's memory with the deviceless one (``agreement``).
+
+Each part runs in a fresh process (a GPU's memory is the part's alone; XLA flags must be
+set before JAX starts) with a time limit (``--part-seconds``), and its result is merged
+into the JSON (``--json``, default benchmarks/gpu_check.json): a
 partial run updates its parts and keeps the others, so on a machine lent 10 minutes a
 command, run one piece or part per command. ``--dry-run`` runs on CPU at tiny sizes
-(8 forced CPU devices where a piece needs N > 1, 1 elsewhere); the mock8 targets are
-then skipped: no GPU. A full run without a GPU is refused.
+(8 forced CPU devices where a piece needs N > 1, 1 elsewhere); the agreement targets are
+then skipped: CPU memory is not GPU memory. A full run without a GPU is refused.
 
 JSON: ``machine`` (jax version, device kind and count, allocator limit, host memory, XLA
 environment), ``dry_run``, ``pieces`` (per piece its result, or its ``parts`` and the
@@ -114,7 +124,6 @@ class Piece(NamedTuple):
     parts: tuple[str, ...] = ()  # each run in its own process; () one process
     cpu_devices: int = 1  # forced CPU devices under --dry-run
     xla_flags: str = ""  # added to XLA_FLAGS on GPU
-    mock_gpus: bool = False  # mock 8 GPUs' topology (compile only)
     summary: str | None = None  # "module:function": targets across the parts
 
 
@@ -126,10 +135,7 @@ PIECES = {
     ),
     "prefetch": Piece("gpu_pieces:prefetch", cpu_devices=8, xla_flags=LHS),
     "quant": Piece("gpu_pieces:quant", cpu_devices=8),
-    "mock8": Piece(
-        "gpu_mock8:run", parts=("overlap", "dp", "zero1", "zero2", "zero3"), cpu_devices=8,
-        xla_flags=LHS, mock_gpus=True, summary="gpu_mock8:targets",
-    ),
+    "agreement": Piece("gpu_agreement:run"),
     "offload_fixed": Piece(
         "gpu_offload:fixed", parts=("none", "host_step", "streamed", "host_delayed", "ratio_half"),
         summary="gpu_offload:fixed_targets",
@@ -139,19 +145,17 @@ PIECES = {
                                           "ratio_half"),
         summary="gpu_offload:accum_targets",
     ),
-    "table2": Piece("gpu_mock8:table2_estimate", cpu_devices=8, mock_gpus=True),
     "host_rate": Piece("gpu_offload:host_rate"),
 }  # fmt: skip
 
 QUICK = {  # --quick: every claim once, within one 10-minute command; seconds per unit
     ("n1", None): 170,
+    ("agreement", None): 90,  # estimated: eight compiles of a small GPT (no GPU ran it yet)
     ("offload_fixed", "none"): 70,
     ("offload_fixed", "host_step"): 85,
     ("offload_fixed", "streamed"): 80,
-    ("mock8", "overlap"): 55,
-    ("table2", None): 70,
 }  # fmt: skip
-"""530 s of parts, about 550 s with the machine probe and process starts: under 10 minutes."""
+"""495 s of parts, about 515 s with the machine probe and process starts: under 10 minutes."""
 
 OFFLOAD_SPEED = {  # --offload-speed: P20's section 5 in one 10-minute command (estimates:
     ("offload_32k", "none"): 90,  # a 4 K-token part took 70-85 s on the H200, and a
@@ -195,9 +199,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--only", help="pieces or piece:part, comma-separated (default: all)")
     ap.add_argument(
         "--quick", action="store_true",
-        help="every claim once in under 10 minutes: n1, the host step and the streamed "
-        "mode against none at one size, mock8's overlap, Table 2 from the estimator (one "
-        "compile per stage)",
+        help="every claim once in under 10 minutes: n1, the deviceless compile's memory "
+        "against the GPU's (agreement), the host step and the streamed mode against none "
+        "at one size",
     )  # fmt: skip
     ap.add_argument(
         "--offload-speed", action="store_true",

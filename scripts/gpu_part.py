@@ -3,9 +3,9 @@
     python scripts/gpu_part.py PIECE[:PART] OUT [--dry-run] [--gpus N]
     python scripts/gpu_part.py machine OUT [--dry-run]
 
-Configures JAX before it starts (CPU under ``--dry-run``, the piece's CPU device count,
-the GPU mock for ``mock8`` when ``--gpus`` N > 0), runs the part and writes its result,
-with its seconds and the machine as this process saw it, to OUT. A part with siblings
+Configures JAX before it starts (CPU under ``--dry-run``, the piece's CPU device count),
+runs the part and writes its result, with its seconds and the machine as this process
+saw it, to OUT. A part with siblings
 reads the results recorded so far for them from OUT (the driver writes them there).
 ``machine`` writes only the machine's description (the driver's probe; it does not
 preallocate GPU memory when started with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
@@ -23,15 +23,13 @@ import jax
 from gpu_check import PIECES, ROOT, Piece, call
 
 
-def configure_jax(piece: Piece | None, *, dry_run: bool, gpus: int) -> None:
-    """Before JAX starts: CPU under --dry-run, the CPU device count, the GPU mock."""
+def configure_jax(piece: Piece | None, *, dry_run: bool) -> None:
+    """Before JAX starts: CPU under --dry-run, the CPU device count."""
     if dry_run:
         jax.config.update("jax_platforms", "cpu")
     if piece is None:
         return
     jax.config.update("jax_num_cpu_devices", piece.cpu_devices)
-    if piece.mock_gpus and 0 < gpus < 8:
-        jax.config.update("mock_num_gpu_processes", 8 // gpus)
 
 
 def run(unit: str, out: Path, *, dry_run: bool, gpus: int) -> dict:
@@ -58,7 +56,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=0, help="GPUs present (0: none)")
     args = ap.parse_args()
     piece = None if args.unit == "machine" else PIECES[args.unit.partition(":")[0]]
-    configure_jax(piece, dry_run=args.dry_run, gpus=args.gpus)
+    configure_jax(piece, dry_run=args.dry_run)
     sys.path.insert(0, str(ROOT / "examples"))  # examples/gpt.py, examples/data.py
     import gpu_common
 

@@ -99,7 +99,8 @@ def prefetch(ctx: Context) -> dict[str, Any]:
     ``zero3_auto`` and ``zero3_prefetch``), over all devices; the driver turns on XLA's
     latency-hiding scheduler on GPU. Target: the same first loss (prefetch changes when
     layers are gathered, not the values). Step times are figures (one GPU has no
-    all-gather to hide; the mock8 piece reads the schedule at N = 8)."""
+    all-gather to hide; tests/core/gpu_target/test_compiled_for_gpus.py reads the schedule
+    compiled for 8 H200s without them)."""
     s = sizes("prefetch", ctx)
     mesh = jzero.data_mesh()
     setup = _setup(s, mesh)

@@ -1,11 +1,13 @@
 """scripts/gpu_check.sh: the dry run (CPU, tiny sizes) runs every piece and part and
-writes one JSON whose every target is PASS / FAIL or a skip with its reason; the mock-GPU
-piece skips its targets for want of a GPU while its schedule reader ran on CPU HLO. The
-targets across parts (offload, mock8) are computed exactly from recorded figures, and
-``--only`` is read strictly."""
+writes one JSON whose every target is PASS / FAIL or a skip with its reason; the
+agreement piece compiles for compile-only H200s beside the CPU and skips its targets (CPU
+memory is not GPU memory). The targets across parts (offload) and the agreement's are
+computed exactly from recorded figures, and ``--only`` is read strictly; the compile-only
+pieces (mock8, table2) are retired to CI."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,16 +16,15 @@ import sys
 import pytest
 from _paths import REPO
 
-from jzero.cli.units import parse_bytes
-
 ROOT = REPO
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402  (scripts/gpu_check.py)
 
+sys.path.insert(0, str(ROOT / "examples"))  # gpt.py, for the pieces' modules
+
 PARTS = {
     "offload": ["none", "streamed", "host_step", "host_step_params"],
-    "mock8": ["overlap", "dp", "zero1", "zero2", "zero3"],
     "offload_fixed": ["none", "host_step", "streamed", "host_delayed", "ratio_half"],
     "offload_32k": ["none", "host_step", "streamed", "host_delayed", "ratio_half"],
 }
@@ -109,32 +110,40 @@ def test_dry_run_times_the_host_update_by_leaf_count_against_the_triad(dry_run):
 
 
 @pytest.mark.slow
-def test_dry_run_mock8_skips_for_want_of_a_gpu_but_reads_the_cpu_schedule(dry_run):
+def test_dry_run_agreement_compiles_for_compile_only_h200s_beside_the_cpu(dry_run):
     _, doc = dry_run
-    mock8 = doc["pieces"]["mock8"]
-    targets = mock8["targets"] + mock8["parts"]["overlap"]["targets"]
-    assert targets and all(t["reason"].startswith("skipped: no GPU") for t in targets)
-    gathers = mock8["parts"]["overlap"]["all_gathers"]
-    for name in ("zero3_auto", "zero3_prefetch"):
-        assert gathers[name]["runs"] > 0  # the reader found the stage-3 gathers
-        assert gathers[name]["overlapped_fraction"] == 0.0  # XLA:CPU's are synchronous
-    for entry in ("dp", "zero1", "zero2", "zero3"):
-        stage = mock8["parts"][entry]["stage"]
-        assert stage["name"] == entry and stage["peak_bytes"] <= parse_bytes("1.5MB")
+    agreement = doc["pieces"]["agreement"]
+    assert agreement["devices"] == 1 and agreement["compile_only_gpu"] == "h200"
+    assert list(agreement["stages"]) == ["zero0", "zero3"]  # on a GPU, stages 0-3
+    assert [t["name"] for t in agreement["targets"]] == [
+        f"agreement zero{s} memory" for s in (0, 3)
+    ]
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:  # no GPU compiler here
+        assert all("could not describe" in t["reason"] for t in agreement["targets"])
+        return
+    assert agreement["compile_only_kind"].startswith("NVIDIA H200")
+    for stage in agreement["stages"].values():
+        for side in ("device", "deviceless"):
+            assert stage[side]["temp"] > 0 and stage[side]["argument"] > 0, stage
+        assert stage["rel_diff"].keys() == {"temp", "argument", "output"}
+    assert all(t["reason"].startswith("skipped: dry run: CPU memory is not GPU memory")
+               for t in agreement["targets"])  # fmt: skip
 
 
 def test_only_selects_pieces_and_parts_in_order_and_refuses_unknown_names():
     assert gpu_check._units("offload:host_step,n1") == [("n1", None), ("offload", "host_step")]
-    assert gpu_check._units("mock8")[0] == ("mock8", "overlap")
+    assert gpu_check._units("agreement") == [("agreement", None)]
     with pytest.raises(ValueError, match="unknown 'offload:host'"):
         gpu_check._units("offload:host")
+    for retired in ("mock8", "mock8:overlap", "table2"):  # compile-only: asserted in CI
+        with pytest.raises(ValueError, match="unknown"):
+            gpu_check._units(retired)
 
 
 def test_quick_runs_every_claim_once_within_one_ten_minute_command():
     units = gpu_check._units(None, "quick")
-    assert units == [("n1", None), ("offload_fixed", "none"), ("offload_fixed", "host_step"),
-                     ("offload_fixed", "streamed"), ("mock8", "overlap"),
-                     ("table2", None)]  # fmt: skip
+    assert units == [("n1", None), ("agreement", None), ("offload_fixed", "none"),
+                     ("offload_fixed", "host_step"), ("offload_fixed", "streamed")]  # fmt: skip
     assert sum(gpu_check.QUICK.values()) <= 10 * 60 - 60  # the machine probe and starts
     with pytest.raises(ValueError, match="--quick runs its own units"):
         gpu_check._units("n1", "quick")
@@ -152,7 +161,7 @@ def test_offload_speed_runs_p20s_gpu_figures_within_one_ten_minute_command():
 
 
 @pytest.mark.slow
-def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
+def test_dry_run_fixed_offload(dry_run):
     _, doc = dry_run
     fixed = doc["pieces"]["offload_fixed"]["parts"]
     assert fixed["none"]["host_bytes"] == 0 < fixed["host_step"]["host_bytes"]
@@ -165,10 +174,6 @@ def test_dry_run_fixed_offload_and_table2_estimate(dry_run):
     targets = doc["pieces"]["offload_fixed"]["targets"]
     bound = [t for t in targets if t["name"].endswith("bounded by its copies")]
     assert len(bound) == 1 and bound[0]["status"] in ("PASS", "FAIL")
-    stages = doc["pieces"]["table2"]["stages"]
-    assert list(stages) == ["dp", "zero1", "zero2", "zero3"]
-    layers = [stages[s]["layers"] for s in stages]
-    assert layers == sorted(layers) and layers[-1] > layers[0]  # each stage fits more
 
 
 def test_fixed_offload_targets_compare_the_host_step_with_none():
@@ -273,16 +278,72 @@ def test_offload_targets_measure_against_the_pinned_host_limit_and_none_s_time()
     assert found["offload host_step time"]["reason"].startswith("skipped: needs offload:none")
 
 
-def test_mock8_table2_target_needs_both_entries_on_the_gpu_compiler():
-    import gpu_mock8
+def test_agreement_compiles_gpu_compile_s_model():
+    import gpu_agreement
+    import gpu_compile  # the programs CI asserts on (test_compiled_for_gpus)
 
-    part = lambda params, compiler: {"stage": {"params": params}, "compiler": compiler}
-    (t,) = gpu_mock8.targets({"dp": part(10**9, "gpu"), "zero3": part(75 * 10**8, "gpu")})
-    assert (t["status"], t["measured"], t["bound"]) == ("PASS", 7.5, 7.0)
-    (t,) = gpu_mock8.targets({"dp": part(10**9, "cpu"), "zero3": part(75 * 10**8, "cpu")})
-    assert t["status"] == "SKIP" and t["reason"].startswith("skipped: no GPU")
-    (t,) = gpu_mock8.targets({"dp": part(10**9, "gpu")})
-    assert t["reason"].startswith("skipped: needs mock8:dp and mock8:zero3")
+    gpu = gpu_agreement.SIZES["gpu"]
+    assert gpu_agreement.config(gpu) == gpu_compile.CFG
+    assert gpu["sequences"] == gpu_compile.SEQUENCES
+
+
+def test_agreement_names_the_spec_of_each_lent_gpu():
+    import gpu_agreement
+
+    assert gpu_agreement.spec_name("NVIDIA H200") == "h200"
+    assert gpu_agreement.spec_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_agreement.spec_name("NVIDIA H100 PCIe") is None  # another GPU than the spec's
+
+
+def _agreement(monkeypatch, *, deviceless: dict | None, why: str | None = None) -> dict:
+    """``gpu_agreement.run`` on a GPU, its compiles replaced: the real one's figures are
+    100 000 bytes each, the compile-only GPUs' ``deviceless`` (or no such GPUs: ``why``)."""
+    import types
+
+    import gpu_agreement
+    from gpu_common import Context
+
+    fake = [types.SimpleNamespace(device_kind="NVIDIA H200 141GB HBM3e")]
+    real = {"temp": 10**5, "argument": 10**5, "output": 10**5, "alias": 0, "compile_s": 1.0}
+    monkeypatch.setattr(gpu_agreement, "spec_name", lambda kind: "h200")
+    monkeypatch.setattr(gpu_agreement, "compile_only_devices",
+                        lambda name, n: (None, why) if why else (fake, None))  # fmt: skip
+
+    def memory(devices, s, stage):
+        if devices is not fake:
+            return real
+        if deviceless is None:
+            raise RuntimeError("Couldn't find ptxas\nmore")
+        return real | deviceless
+
+    monkeypatch.setattr(gpu_agreement, "memory", memory)
+    return gpu_agreement.run(Context(dry_run=False, gpu=True))
+
+
+def test_agreement_holds_each_memory_figure_within_one_percent(monkeypatch):
+    found = _agreement(monkeypatch, deviceless={"temp": 100_900, "output": 99_500})
+    assert [t["status"] for t in found["targets"]] == ["PASS"] * 4
+    assert found["targets"][0]["measured"] == pytest.approx(0.009)
+    assert found["stages"]["zero3"]["rel_diff"] == pytest.approx(
+        {"temp": 0.009, "argument": 0.0, "output": 0.005}
+    )
+    found = _agreement(monkeypatch, deviceless={"argument": 102_000})
+    t = found["targets"][2]
+    assert (t["status"], t["measured"], t["bound"]) == ("FAIL", pytest.approx(0.02), 0.01)
+    assert "compile agreement within 1%" in t["text"]
+
+
+def test_agreement_skips_with_the_reason_when_no_compile_only_gpu_is_there(monkeypatch):
+    found = _agreement(monkeypatch, deviceless=None, why="NotImplementedError: no cuda")
+    (reason,) = {t["reason"] for t in found["targets"]}
+    assert reason.startswith("skipped: could not describe ")  # N compile-only h200 GPU(s)
+    assert reason.endswith(" here (NotImplementedError: no cuda)")
+    assert found["stages"]["zero0"]["device"]["temp"] == 10**5  # the real compile's, kept
+    found = _agreement(monkeypatch, deviceless=None)  # described, but its compile failed
+    (reason,) = {t["reason"] for t in found["targets"]}
+    assert reason == ("skipped: the compile for compile-only GPUs failed here "
+                      "(RuntimeError: Couldn't find ptxas)")  # fmt: skip
+    assert found["stages"]["zero3"]["deviceless_error"] == "RuntimeError: Couldn't find ptxas"
 
 
 def test_a_dry_run_refuses_to_overwrite_gpu_results(tmp_path):
@@ -300,6 +361,6 @@ def test_a_part_that_times_out_reports_what_it_had_written(monkeypatch):
 
     monkeypatch.setattr(gpu_check.subprocess, "run", timeout)
     args = gpu_check.argparse.Namespace(dry_run=False)
-    error = gpu_check._process(args, "table2", REPO / "x.json", env={}, gpus=1, seconds=5)
-    assert error.startswith("timed out after 5 s: run it alone (--only table2)"), error
+    error = gpu_check._process(args, "agreement", REPO / "x.json", env={}, gpus=1, seconds=5)
+    assert error.startswith("timed out after 5 s: run it alone (--only agreement)"), error
     assert error.endswith("it had written:\ncompiling zero3\nprobe done\n"), error
