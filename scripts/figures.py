@@ -569,11 +569,18 @@ README_GPU = (
 )
 
 
+RETIRED = ("mock8", "table2")
+"""GPU-check pieces that needed only a compile: CI compiles them for GPUs without one
+(tests/core/gpu_target, scripts/gpu_compile.py, scripts/table2_gpu.py)."""
+
+
 def _unmeasured(gpu: dict[str, Any]) -> list[str]:
     """The pieces and parts of the GPU check that have no figures (an error, e.g. their
     time ran out)."""
     found = []
     for name, piece in gpu["pieces"].items():
+        if name in RETIRED:
+            continue
         parts = piece.get("parts")
         if parts is None:
             found += [name] if "error" in piece else []
@@ -619,7 +626,8 @@ def readme_block(gpu: dict[str, Any] | None) -> str:
     measured = _gpu_offload(gpu) or {}
     unrun = tuple(f"offload_fixed:{p}" for p in ("host_delayed", "ratio_half") if p not in measured)
     pieces = (gpu or {}).get("pieces", {})  # the pieces added since the H200's run:
-    unrun += tuple(p for p in ("offload_32k", "host_rate") if gpu is not None and p not in pieces)
+    since = ("offload_32k", "host_rate", "agreement")
+    unrun += tuple(p for p in since if gpu is not None and p not in pieces)
     return "\n".join([README_GPU[0], gpu_summary_md(gpu, unrun), README_GPU[1]])
 
 

@@ -1,0 +1,129 @@
+"""What XLA's GPU compiler makes of jzero's step and of the user's own step with
+``jzero.shard_optimizer``, compiled for 8 H200s and for 64 over 8 hosts (``jzero.gpu_mesh``).
+
+The model is the example GPT (``examples/gpt.py``: 4 scanned, rematerialised blocks,
+d_model 512, bf16 compute, fp32 parameters and AdamW), 64 sequences of 128 tokens. Every
+figure is read from the compiled program: its collectives (kind, elements, trip count),
+its schedule (what runs between an asynchronous collective's start and done) and its
+buffer assignment (``memory_analysis()``). A compile is a fact about the GPU program, so
+these are exact assertions; times stay with a lent GPU.
+
+The compiles (15, 20-60 s each on 2 cores) run on one xdist worker (``xdist_group``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import optax
+import pytest
+from _paths import load_script
+
+import jzero
+
+pytest.importorskip(
+    "jax_plugins.xla_cuda12",
+    reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
+    "'jax-cuda12-plugin==V' 'jax-cuda12-pjrt==V' (V = jaxlib's version)",
+)
+pytestmark = pytest.mark.xdist_group("gpu_compile")
+
+programs = load_script("gpu_compile")  # the programs, and their figures for the JSON
+L, PSI, STACK = programs.L, programs.PSI, programs.STACK
+jzero_step, user_step, plain_step = programs.jzero_step, programs.user_step, programs.plain_step
+
+STEPS = {"jzero": jzero_step, "user": user_step}
+ZERO = [(kind, stage) for kind in STEPS for stage in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("devices", [8, 64])
+@pytest.mark.parametrize(("kind", "stage"), ZERO)
+def test_no_gradient_is_all_reduced_at_stages_1_to_3(kind, stage, devices):
+    """Gradients are reduce-scattered. jzero's step all-reduces scalars alone (the loss, the
+    gradient norm); in the user's step the compiler places the collectives, and on 64 GPUs
+    it all-reduces one layer's qkv bias (1,536 elements, 0.05 % of the parameters) inside
+    the backward loop: at most 0.1 % of the parameters may be all-reduced there."""
+    program = STEPS[kind](stage, devices)
+    reduced = [c for c in program.found if c.kind == "all-reduce"]
+    if kind == "jzero":
+        assert all(math.prod(c.shape) <= 2 for c in reduced), reduced
+    elements = sum(math.prod(c.shape) * c.trip_count for c in reduced)
+    assert elements <= 0.001 * PSI, [(c.dtype, c.shape, c.trip_count) for c in reduced]
+    assert program.elements("reduce-scatter") > 0
+
+
+@pytest.mark.parametrize("devices", [8, 64])
+@pytest.mark.parametrize(("kind", "stage"), [("jzero", 0), *ZERO])
+def test_elements_sent_are_the_papers_2_2_and_3_psi(kind, stage, devices):
+    """The ZeRO paper's volumes, 2Ψ (stages 0-2) and 3Ψ (stage 3) per device in the ring
+    model, counted in elements: XLA may move a bf16 cast of a parameter or gradient."""
+    if kind == "user" and stage == 3 and devices == 64:
+        pytest.skip("one stage-3 user step (8 GPUs) is enough; its compile is the slowest")
+    program = STEPS[kind](stage, devices)
+    theory = (3 if stage == 3 else 2) * PSI * (devices - 1) / devices
+    assert program.elements() == pytest.approx(theory, rel=0.02), program.elements() / theory
+
+
+def test_stage_3_gathers_each_layer_inside_the_forward_and_backward_loops():
+    program = jzero_step(3)
+    gathered = program.in_loops("all-gather")
+    loops = {c.computation for c in gathered}
+    assert len(loops) >= 2, loops  # the forward loop's body and the backward loop's
+    stack = sum(x.size for x in STACK)
+    in_loop = sum(math.prod(c.shape) * c.trip_count for c in gathered)
+    # each layer gathered in forward and again in backward (its first iteration peeled)
+    assert in_loop >= 2 * stack * (L - 1) / L, (in_loop, stack)
+
+
+@pytest.mark.parametrize("kind", STEPS)
+def test_stage_2_reduce_scatters_each_layer_inside_the_backward_loop(kind):
+    program = STEPS[kind](2)
+    in_loop = sum(math.prod(c.shape) * 8 * c.trip_count for c in program.in_loops("reduce-scatter"))
+    assert in_loop >= sum(x.size for x in STACK) * (L - 1) / L
+
+
+def test_stage_2_holds_no_whole_stacked_gradient():
+    """P23's bound: stage 2's temporaries at most stage 1's (which holds the whole local
+    gradient until backward ends) less 0.8 x the stack's fp32 gradient."""
+    stack = 4 * sum(x.size for x in STACK)
+    assert jzero_step(2).temp <= jzero_step(1).temp - 0.8 * stack, (jzero_step(2).temp, stack)
+
+
+def test_jzero_report_reads_the_compiled_step():
+    """``jzero.report`` on an abstract state: the plan's model states against the paper's,
+    and the collectives of the step compiled for the GPUs."""
+    mesh = programs.gpu_mesh8()
+    opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=3)
+    state = jax.eval_shape(*opt.init_program(init_fn=programs.init))
+    report = jzero.report(opt.train_step(programs.LOSS), state, programs.batch(mesh))
+    assert report.model_state_ratio == pytest.approx(1.0, rel=0.01)
+    assert report.comm_bytes["all-gather"] > 0 and report.peak_bytes > 0
+
+
+def test_prefetch_puts_compute_under_every_all_gather_in_the_loops():
+    """``Communication(prefetch=True)``: each in-loop all-gather of forward and backward has
+    a layer's compute scheduled between its start and its done."""
+    looped = [o for o in jzero_step(3, prefetch=True).overlaps
+              if o.kind == "all-gather" and (o.trip_count or 1) > 1]  # fmt: skip
+    assert looped and all(o.asynchronous and o.overlaps for o in looped), looped
+
+
+def test_stage_0_is_within_5_percent_of_plain_data_parallel():
+    assert jzero_step(0).temp <= 1.05 * plain_step().temp, (jzero_step(0).temp, plain_step().temp)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stages_1_to_3_need_no_more_than_stage_0(stage):
+    assert jzero_step(stage).temp <= jzero_step(0).temp
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_states_are_the_papers_in_the_buffer_assignment(stage):
+    """The step's inputs, per device: parameters (fp32, 4 bytes) whole at stages 0-2 and
+    1/N at stage 3, AdamW's two moments (K = 8 bytes) whole at stage 0 and 1/N from stage
+    1, within 1 % (the rest: the batch's shard and Adam's step counter)."""
+    n = 8
+    params = 4 * PSI / (n if stage == 3 else 1)
+    moments = 8 * PSI / (n if stage >= 1 else 1)
+    assert jzero_step(stage).argument == pytest.approx(params + moments, rel=0.01)
