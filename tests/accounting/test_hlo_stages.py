@@ -38,9 +38,18 @@ def test_stage1_reduce_scatters_after_backward_and_gathers_params():
     cs = _collectives(1)
     assert _kinds(cs) == ["all-gather", "reduce-scatter"]
     # Once per step, outside any loop: the whole stacked gradient, after backward.
-    assert all(c.trip_count == 1 for c in cs)
     rs = [c for c in cs if c.kind == "reduce-scatter"]
+    assert all(c.trip_count == 1 for c in rs)
     assert sorted(c.shape for c in rs) == [(LAYERS, WIDTH // 8), (LAYERS, WIDTH // 8, WIDTH)]
+    _gathers_the_update(cs)
+
+
+def _gathers_the_update(cs):
+    """Stages 1-2 gather the updated parameters after the step: the stacked weight one
+    layer at a time (a loop of LAYERS trips, so no whole second copy in another layout),
+    the stacked bias whole."""
+    ag = sorted((c.shape, c.trip_count) for c in cs if c.kind == "all-gather")
+    assert ag == [((LAYERS, WIDTH), 1), (W_FULL, LAYERS)], ag
 
 
 def test_stage2_reduce_scatters_each_layer_inside_backward():
@@ -50,8 +59,7 @@ def test_stage2_reduce_scatters_each_layer_inside_backward():
     # Inside the backward scan: one layer's gradient at a time, LAYERS times.
     assert sorted(c.shape for c in rs) == [(WIDTH // 8,), W_SHARD]
     assert all(c.trip_count == LAYERS for c in rs)
-    ag = [c for c in cs if c.kind == "all-gather"]
-    assert all(c.trip_count == 1 for c in ag)  # the parameter update, after the step
+    _gathers_the_update(cs)  # the parameter update, after the step
 
 
 def test_stage3_gathers_in_forward_and_again_in_backward():
