@@ -19,9 +19,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from ...internal.optax_private import is_params_placeholder
 from ..axis_types import compute_mesh, on_compute_mesh, typed
 from ..gpu_target.compile_only import check_runnable
 from ..input_checks import check_leaves
@@ -92,7 +94,7 @@ class _ShardedTransformation:
         self.opt = ZeroOptimizer(tx, mesh, config=config)  # checks tx, the mesh, the layout
         self.twin, self.mixed = compute_mesh(mesh), config.precision.mixed
         self.layouts: dict[Any, UserLayout] = {}
-        self.program = jax.jit(self._program)
+        self.program = jax.jit(self._program, static_argnums=4)
 
     def layout(self, tree: Any) -> UserLayout:
         """The specs of a parameter (or gradient) tree like ``tree``, computed once."""
@@ -112,6 +114,9 @@ class _ShardedTransformation:
         return MasterWeightsState(lay.state, lay.master) if self.mixed else lay.state
 
     def init(self, params: optax.Params) -> optax.OptState:
+        if is_params_placeholder(params):  # optax.tree_map_params: Optax's own answer
+            inner = self.tx.init(params)
+            return MasterWeightsState(inner, params) if self.mixed else inner
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
             check_runnable(self.mesh, "jzero.shard_optimizer(...).init")  # jax.eval_shape may
         check_leaves(params, "params", allow_empty=False)
@@ -131,10 +136,12 @@ class _ShardedTransformation:
     def update(self, grads, state, params=None, **extra):
         check_update_args(grads, state, params, self.layout, mixed=self.mixed)
         grads, params = onto_mesh(grads, self.mesh), onto_mesh(params, self.mesh)
-        return self.program(grads, state, params, extra)
+        arrays, passed = _split_extra(extra)
+        return self.program(grads, state, params, arrays, passed)
 
-    def _program(self, grads, state, params, extra):
+    def _program(self, grads, state, params, arrays, passed):
         """The update, jitted (inlined into the caller's ``jit``), typed on the user's mesh."""
+        extra = passed.join(arrays)
         updates, state = on_compute_mesh(self._update, self.mesh)(grads, state, params, extra)
         lay = self.layout(grads)
         updates = typed(updates, self._shardings(lay.params))
@@ -164,6 +171,49 @@ class _ShardedTransformation:
         rounded = reshard(self._on_twin(rounded, lay.shards), lay.shards, lay.params, self.twin)
         state = MasterWeightsState(self._on_twin(inner, lay.state), master)
         return jax.tree.map(_exact_step, rounded, params), state
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _key(x: Any) -> Any:
+    """How a passed-through argument compares: Python scalars by value, the rest by identity."""
+    return (type(x), x) if isinstance(x, bool | int | float | complex | str) else id(x)
+
+
+def _split_extra(extra: dict[str, Any]) -> tuple[list[Any], _Passed]:
+    """``update``'s extra arguments as the inner ``jit``'s array arguments and the rest
+    (functions such as L-BFGS's ``value_fn``, strings, ...) passed through as they are."""
+    leaves, treedef = jax.tree.flatten(extra)
+    arrays = [x for x in leaves if _is_array(x)]
+    others = tuple((i, x) for i, x in enumerate(leaves) if not _is_array(x))
+    return arrays, _Passed(treedef, others)
+
+
+class _Passed:
+    """The extra arguments that are not arrays, static to the inner ``jit``: equal where
+    they are the same objects, or equal Python scalars and strings (a function passed
+    again does not retrace)."""
+
+    def __init__(self, treedef: Any, others: tuple[tuple[int, Any], ...]):
+        self.treedef, self.others = treedef, others
+
+    def join(self, arrays: list[Any]) -> dict[str, Any]:
+        leaves, arrays, others = [], iter(arrays), dict(self.others)
+        for i in range(self.treedef.num_leaves):
+            leaves.append(others[i] if i in others else next(arrays))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def __hash__(self) -> int:
+        return hash((self.treedef, tuple((i, _key(x)) for i, x in self.others)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Passed) or self.treedef != other.treedef:
+            return False
+        pairs = zip(self.others, other.others, strict=False)
+        same = all(i == j and _key(x) == _key(y) for (i, x), (j, y) in pairs)
+        return same and len(self.others) == len(other.others)
 
 
 def _exact_step(new: jax.Array, old: jax.Array) -> jax.Array:
