@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 
 from ..core.checksum import checksums
 from ..core.options.precision import LossScale, Precision
-from ..core.plan import Pending, Plan, Stored, ZeroState
+from ..core.plan import Pending, Plan, Stored, ZeroState, is_key
 from ..core.stored_form import restored_state
 from .errors import CheckpointError, storage_error_line
 from .format import FORMAT, VERSION, meta_damage
@@ -96,7 +96,11 @@ def restore_targets(shardings: ZeroState, precision: Precision, stored: dict[str
     places = jax.tree.leaves(sharding)
     out: Targets = {}
     for name, s, where in zip(leaf_names(groups, is_leaf=is_stored), leaves, places):
-        out[name] = (jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), s.layout.shape)
+        if is_key(s):  # saved as its raw data (format.flatten), typed again by _groups
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(s.shape, s.dtype))
+            out[name] = (jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=where), data.shape)
+        else:
+            out[name] = (jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), s.layout.shape)
     return out | _scalars(plan, precision, stored, shardings.step)
 
 
@@ -176,7 +180,8 @@ def _groups(plan: Plan, precision: Precision, arrays: dict[str, jax.Array]) -> t
     (None when it has none)."""
     group = lambda g: [x for k, x in arrays.items() if k.split(".")[0] == g]
     weights = jax.tree.unflatten(plan.params_def, group("weights"))
-    opt_state = jax.tree.unflatten(plan.opt_def, group("opt_state"))
+    typed = lambda x, s: jax.random.wrap_key_data(x, impl=s.dtype) if is_key(s) else x
+    opt_state = jax.tree.unflatten(plan.opt_def, list(map(typed, group("opt_state"), plan.opt)))
     loss_scale = None
     if precision.dynamic_loss_scale:
         loss_scale = LossScale.create(precision)

@@ -261,7 +261,11 @@ def make_plan(
     stage, offload = config.stage, config.offload
     n = 1 if stage == 0 else mesh.shape[DATA]
     min_size = config.layout.min_shard_size
-    rule = lambda x, spec: leaf_layout(x.shape, n, min_shard_size=min_size, user_spec=spec)
+
+    def rule(x: Any, spec: Any) -> Any:  # typed PRNG keys stay whole: state, not weights
+        m = 1 if is_key(x) else n
+        return leaf_layout(x.shape, m, min_shard_size=min_size, user_spec=spec)
+
     p_leaves, p_def = jax.tree.flatten(params)
     p_lays = [rule(x, s) for x, s in zip(p_leaves, jax.tree.leaves(user_specs))]
     o_leaves, o_def = jax.tree.flatten(opt_state)
@@ -270,7 +274,7 @@ def make_plan(
 
     param_dtype = np.dtype(config.precision.param_dtype)
     floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
-    stored_dtype = lambda x: param_dtype if floating(x) else np.dtype(x.dtype)
+    stored_dtype = lambda x: param_dtype if floating(x) else dtype_of(x)
     on_host = _offloaded(offload, [math.prod(lay.shape) for lay in p_lays], owners)
     kind = lambda i: HOST if on_host[i] else None  # i: parameter leaf, -1 none (e.g. a count)
     params_stored = tuple(
@@ -278,13 +282,12 @@ def make_plan(
     )
     o_kinds = [kind(k) for k in (owners or [-1] * len(o_leaves))]
     opt_stored = tuple(
-        Stored(lay, stage >= 1, np.dtype(x.dtype), k)
-        for lay, x, k in zip(o_lays, o_leaves, o_kinds)
+        Stored(lay, stage >= 1, dtype_of(x), k) for lay, x, k in zip(o_lays, o_leaves, o_kinds)
     )
     master = None
     if config.precision.mixed:
         master = tuple(
-            Stored(lay, stage >= 1, np.dtype(np.float32 if floating(x) else x.dtype), kind(i))
+            Stored(lay, stage >= 1, np.dtype(np.float32) if floating(x) else dtype_of(x), kind(i))
             for i, (lay, x) in enumerate(zip(p_lays, p_leaves))
         )
     # The layout is recorded in the leaves (each Stored's spec), however it was spelled;
@@ -292,6 +295,16 @@ def make_plan(
     laid_out = dataclasses.replace(config, layout=Layout(), step=StepOptions())
     plan = Plan(mesh, laid_out, p_def, params_stored, o_def, opt_stored, master)
     return params_offloaded(plan) if offload.params else plan
+
+
+def is_key(x: Any) -> bool:
+    """Whether ``x`` (an array or shape) holds typed PRNG keys (``jax.random.key``)."""
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def dtype_of(x: Any) -> Any:
+    """``x``'s dtype as stored: a NumPy dtype, or a typed key's own (NumPy has none)."""
+    return x.dtype if is_key(x) else np.dtype(x.dtype)
 
 
 COARSE_SPLIT = 0.1  # |share offloaded - Offload.ratio| above which the split is warned
