@@ -40,6 +40,18 @@ def _with_model_specs(config: ZeroConfig, state: nnx.State, mesh: Mesh) -> ZeroC
     return dataclasses.replace(config, layout=layout)
 
 
+def _hijax(state: nnx.State) -> bool:
+    """Whether ``state`` holds hijax Variables (``nnx.var_defaults(hijax=True)``): JAX
+    values themselves, not pytrees of arrays."""
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return any(getattr(x, "hijax", False) for x in leaves)
+
+
+def _arrays(state: nnx.State) -> nnx.State:
+    """``state`` with hijax Variables read as their arrays (others are pytrees already)."""
+    return nnx.as_pure(state) if _hijax(state) else state
+
+
 class Optimizer(nnx.Optimizer):
     """A drop-in for ``nnx.Optimizer`` whose Optax state is partitioned over ``mesh``'s
     ``data`` axis (and, at stage 3, the model's Params too).
@@ -77,7 +89,39 @@ class Optimizer(nnx.Optimizer):
         state = nnx.state(model, wrt)
         config = _with_model_specs(config, state, mesh)
         if config.stage == 3:
-            nnx.update(model, shard_params(state, mesh, layout=config.layout))
-        super().__init__(model, shard_optimizer(tx, mesh, config=config), wrt=wrt, graph=graph)
+            nnx.update(model, shard_params(_arrays(state), mesh, layout=config.layout))
+        sharded = shard_optimizer(tx, mesh, config=config)
+        if _hijax(state):  # nnx.Optimizer inits on the Variables themselves
+            init = lambda params: sharded.init(nnx.as_pure(params))
+            super().__init__(model, sharded._replace(init=init), wrt=wrt, graph=graph)
+        else:
+            super().__init__(model, sharded, wrt=wrt, graph=graph)
         # The step count lives on the mesh too, as the jitted update returns it.
         self.step[...] = jax.device_put(self.step[...], NamedSharding(mesh, P()))
+
+
+class ModelAndOptimizer(Optimizer):
+    """A drop-in for ``nnx.ModelAndOptimizer`` (deprecated in Flax, kept while Flax keeps
+    it): :class:`Optimizer` holding its ``model``, so ``update(grads)`` takes the gradients
+    alone.
+
+    Examples:
+        >>> state = jzero.nnx.ModelAndOptimizer(model, optax.adam(1e-3), mesh=mesh, stage=2)
+        >>> state.update(nnx.grad(loss_fn)(state.model))
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tx: optax.GradientTransformation,
+        *,
+        wrt: Any = nnx.Param,
+        mesh: Mesh,
+        config: ZeroConfig | None = None,
+        **options: Any,
+    ):
+        super().__init__(model, tx, wrt=wrt, mesh=mesh, config=config, **options)
+        self.model = model
+
+    def update(self, grads: Any, /, **kwargs: Any) -> Any:  # type: ignore[override]
+        return super().update(self.model, grads, **kwargs)

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 from flax.core import meta
+from flax.nnx import spmd as nnx_spmd
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -67,8 +68,18 @@ def _nnx_spec(variable: Any, rules: Rules | None, mesh: Mesh) -> P | None:
     else:
         context = nnx.logical_axis_rules(check_rules(rules, mesh))
     with context:
-        spec = jax.tree.leaves(nnx.get_partition_spec(variable), is_leaf=_is_spec)[0]
+        spec = _variable_spec(variable)
     return spec if rules is None else drop_own_axes(spec)
+
+
+def _variable_spec(variable: Any) -> P | None:
+    """``nnx.get_partition_spec`` of one Variable. A hijax Variable (``nnx.var_defaults(
+    hijax=True)``) cannot hold the spec it would return it in (Flax 0.12 rebuilds the
+    Variable around it: "P() is not a valid JAX type"), so its spec is read with the rule
+    ``nnx.get_partition_spec`` applies to each Variable, ``flax.nnx.spmd.get_var_pspec``."""
+    if getattr(variable, "hijax", False) and hasattr(nnx_spmd, "get_var_pspec"):
+        return nnx_spmd.get_var_pspec(variable)
+    return jax.tree.leaves(nnx.get_partition_spec(variable), is_leaf=_is_spec)[0]
 
 
 def _is_spec(x: Any) -> bool:
