@@ -23,7 +23,7 @@ _ARRAY = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 
 
 def check_leaves(tree: Any, what: str, *, allow_empty: bool = True) -> None:
-    """Every leaf of ``tree`` is a real (non-complex) array or shape."""
+    """Every leaf of ``tree`` is an array or shape (real, complex, or typed PRNG keys)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not leaves and not allow_empty:
         raise ValueError(
@@ -31,19 +31,47 @@ def check_leaves(tree: Any, what: str, *, allow_empty: bool = True) -> None:
             "model's parameters, e.g. model.init(key, x)['params']."
         )
     for path, leaf in leaves:
-        name = jax.tree_util.keystr(path)
         if not isinstance(leaf, _ARRAY):
             raise TypeError(
-                f"{what} leaf {name} is a {type(leaf).__name__}, not an array; jzero shards "
-                "arrays only. Convert it with jnp.asarray(...) or keep it out of the parameter "
-                "tree (e.g. as a static config)."
+                f"{leaf_name(what, path)} is {article(type(leaf).__name__)}, not an array; "
+                "jzero shards arrays only. Convert it with jnp.asarray(...) or keep it out of "
+                "the parameter tree (e.g. as a static config)."
             )
-        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-            raise TypeError(
-                f"{what} leaf {name} is {leaf.dtype}; jzero trains real parameters only. Store "
-                "the real and imaginary parts as two real leaves and combine them in the loss "
-                "(jax.lax.complex(re, im))."
-            )
+
+
+def check_complex(params: Any, opt_state: Any, config: Any) -> None:
+    """Complex leaves train at every stage, but not where a path is real-only: quantized
+    collectives and hpZ's gather (their quantizers and rounding take real numbers) read the
+    parameters, offload's host step the state too. Raises naming the leaf and the option."""
+    comm, offload = config.comm, config.offload
+    weights, both = [("params", params)], [("params", params), ("optimizer state", opt_state)]
+    on = [
+        ("Communication(grad_quant=...)", comm.grad_quant is not None, weights),
+        ("Communication(gather_quant=...)", comm.gather_quant is not None, weights),
+        ("Communication(hpz=...)", comm.hpz is not None, weights),
+        ("Offload(...)", offload.offloads, both),
+    ]
+    for option, trees in ((option, trees) for option, used, trees in on if used):
+        for what, tree in trees:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+                    raise NotImplementedError(
+                        f"{leaf_name(what, path)} is {leaf.dtype}, and {option} works on real "
+                        "numbers only. Leave that option out (complex leaves train at every "
+                        "stage without it), or store the real and imaginary parts as two real "
+                        "leaves and combine them in the loss (jax.lax.complex(re, im))."
+                    )
+
+
+def leaf_name(what: str, path: Any) -> str:
+    """How a message names the leaf at ``path`` of the tree ``what``: ``params['w']``, or
+    ``params`` itself where the tree is one array."""
+    return f"{what} leaf {jax.tree_util.keystr(path)}" if path else f"{what} (one array)"
+
+
+def article(noun: str) -> str:
+    """``noun`` with its indefinite article: "an ArrayImpl", "a dict"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def check_same_tree(given: Any, expected: Any) -> None:

@@ -21,6 +21,7 @@ shard from stage 1 on (the whole gradient at stage 0, and for replicated leaves)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from .comm.collectives import after, saves_no_gathered
 from .comm.gatherer import Gatherer, Sharded
 from .comm.reducer import Reducer
 from .gather.autogather import gather_where_used
+from .grad_average import dtype_for
 from .grad_reduction import agree, agree_aux, combine_micro, copied_in_backward, reduce
 from .leaf_layout import LeafLayout
 from .loss_protocol import check_loss, split_model_state
@@ -89,7 +91,7 @@ def local_grads(
                 grad_fn, diff, model_state, batch, options.grad_accum, axes
             )
         copies = tuple(g[1] if isinstance(g, tuple) else None for g in grads)
-        grads = [(g[0] if isinstance(g, tuple) else g).astype(reducer.dtype) for g in grads]
+        grads = [_cast(g[0] if isinstance(g, tuple) else g, reducer.dtype) for g in grads]
         if plan.config.partitions_opt_state and not plan.config.partitions_grads:
             # P_os alone: the whole local gradient exists before any of it is reduced
             grads = after(grads, [g.reshape(-1)[:1] for g in grads], zero_once=True)
@@ -180,12 +182,12 @@ def _differentiated(plan: Plan, params, gatherer: Gatherer, reducer: Reducer):
     axes, leaves = plan.batch_axes, jax.tree.leaves(params)
     if not plan.config.partitions_grads:
         return [_varying(x, axes) for x in leaves], lambda d: d
-    sink = lambda lay: _varying(jnp.zeros(_local_shape(lay), reducer.dtype), axes)
+    sink = lambda x, lay: _varying(jnp.zeros(_local_shape(lay), _cast_dtype(x, reducer)), axes)
     host = lambda x: jax.device_put(x, jax.memory.Space.Host)
-    sinks = lambda lay, c: (sink(lay), host(sink(lay))) if c else sink(lay)
+    sinks = lambda x, lay, c: (sink(x, lay), host(sink(x, lay))) if c else sink(x, lay)
     copied = copied_in_backward(plan, reducer)
     diff = [
-        sinks(lay, c) if lay.sharded else _varying(x, axes)
+        sinks(x, lay, c) if lay.sharded else _varying(x, axes)
         for x, lay, c in zip(leaves, plan.layouts, copied)
     ]
     if plan.hybrid:  # varying over 'replica' like the batch, so that the
@@ -247,8 +249,18 @@ def _accumulated(grad_fn, diff, model_state, batch, grad_accum: int, axes):
             return (loss_sum + loss.total, grads, model_state), (aux, loss.count)
         return (loss_sum + loss, grads, model_state), (aux, None)
 
-    zeros = [_varying(jnp.zeros(jax.typeof(x).shape, jnp.float32), axes) for x in diff]
+    zeros = [_varying(jnp.zeros(x.shape, dtype_for(x, jnp.float32)), axes) for x in diff]
     init = (_varying(jnp.zeros((), jnp.float32), axes), zeros, model_state)
     (loss, grads, model_state), (aux, counts) = jax.lax.scan(accumulate, init, micro)
     loss = loss / grad_accum if counts is None else Weighted(loss, counts.sum(0))
     return grads, (loss, model_state, jax.tree.map(combine_micro, aux))
+
+
+def _cast(grad: jax.Array, real: Any) -> jax.Array:
+    """A local gradient in the reduce dtype (its complex form for a complex gradient)."""
+    return grad.astype(dtype_for(grad, real))
+
+
+def _cast_dtype(param: jax.Array, reducer: Reducer) -> Any:
+    """The dtype ``param``'s gradient is reduced in (:func:`_cast`'s)."""
+    return dtype_for(param, reducer.dtype)

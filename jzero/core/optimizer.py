@@ -21,6 +21,7 @@ from ..internal.primitives import warn_missing_primitives
 from .boxed import box_specs, has_boxes
 from .gpu_target.compile_only import check_offload_target, check_runnable
 from .input_checks import (
+    check_complex,
     check_leaves,
     check_same_on_every_process,
     check_same_tree,
@@ -126,6 +127,7 @@ class ZeroOptimizer:
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         opt_state = jax.eval_shape(self.tx.init, self.precision.cast(shapes, "float32"))
         check_leaves(opt_state, "optimizer state")
+        check_complex(shapes, opt_state, self.config)
         return make_plan(
             mesh=self.mesh,
             config=self.config,

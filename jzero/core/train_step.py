@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import grad_average
 from .agreement import Agreement
 from .axis_aliases import alias_mesh, check_aliases
 from .axis_types import on_compute_mesh, typed
@@ -29,7 +30,7 @@ from .comm.reducer import Reducer
 from .gpu_target.compile_only import check_runnable
 from .grad_reduction import Gradients, copied_in_backward
 from .input_checks import check_batch, check_global_batch, check_live, check_state
-from .leaf_layout import pad, unpad
+from .leaf_layout import pad
 from .local_grads import local_grads
 from .memory_kinds import check_state_offload
 from .options.communication import Communication
@@ -216,7 +217,7 @@ def _global_view(plan: Plan, loss: Any, reduced: tuple, scale: jax.Array, grad_a
     else:
         denominator = plan.dp_size * grad_accum * scale
     averaged = jax.tree.map(
-        lambda g, lay: unpad(g.astype(jnp.float32) / denominator, lay),
+        lambda g, lay: grad_average.averaged(g, denominator, lay),
         grads,
         plan.params_tree(),
     )
@@ -275,7 +276,7 @@ def _held(plan: Plan, pending: Pending) -> Gradients:
     reads it)."""
     on_device = to_device(plan, pending.grads, plan.pending)
     averaged = jax.tree.map(
-        lambda g, lay: unpad(g.astype(jnp.float32) / pending.denominator, lay),
+        lambda g, lay: grad_average.averaged(g, pending.denominator, lay),
         on_device,
         plan.params_tree(),
     )

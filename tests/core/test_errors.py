@@ -196,14 +196,35 @@ def test_state_from_another_optax_transformation():
         _opt(stage=1).train_step(awkward_loss)(state, awkward_batches(1)[0])
 
 
-@pytest.mark.parametrize("dtype", [jnp.complex64, np.complex128])
-def test_complex_parameters(dtype):
-    params = {"w": np.ones((8, 2), dtype)}
-    with pytest.raises(TypeError, match=r"params leaf \['w'\] is complex.*real and imaginary"):
-        _opt().init(params)
+@pytest.mark.parametrize(
+    "option, config",
+    [
+        ("grad_quant", {"comm": jzero.Communication(grad_quant="int8")}),
+        ("gather_quant", {"stage": 3, "comm": jzero.Communication(gather_quant="int8")}),
+        ("hpz", {"stage": 3, "comm": jzero.Communication(hpz=2)}),
+    ],
+)
+def test_complex_parameters_where_a_path_is_real_only(option, config):
+    """Complex leaves train at every stage (tests/core/user_step/test_drop_in_inputs.py);
+    the quantized collectives and hpZ's gather take real numbers only, and say so."""
+    params = {"w": np.ones((8, 2), np.complex64)}
+    opt = jzero.ZeroOptimizer(optax.sgd(0.1), jzero.data_mesh(), **{"stage": 2, **config})
+    message = rf"params leaf \['w'\] is complex64, and Communication\({option}=\.\.\.\) works"
+    with pytest.raises(NotImplementedError, match=message + " on real numbers only"):
+        opt.init(params)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_grad_accum_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="grad_accum must be a positive int"):
         _opt().train_step(awkward_loss, grad_accum=bad)
+
+
+def test_complex_optimizer_state_with_offload():
+    """Only the state is complex (``mu_dtype``): offload's host step names the state leaf."""
+    tx = optax.adam(0.1, mu_dtype=jnp.complex64)
+    offload = jzero.Offload(optimizer="host")
+    opt = jzero.ZeroOptimizer(tx, jzero.data_mesh(), stage=2, offload=offload)
+    message = r"optimizer state leaf \[0\]\.mu\['w'\] is complex64, and Offload\(\.\.\.\)"
+    with pytest.raises(NotImplementedError, match=message):
+        opt.init({"w": np.ones((8, 2), np.float32)})

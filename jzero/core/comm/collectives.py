@@ -128,7 +128,7 @@ def after(
     floats = [d for d in jax.tree.leaves(dep) if jnp.issubdtype(d.dtype, jnp.inexact) and d.size]
     if not floats:
         return tree
-    s = sum(d.reshape(-1)[0].astype(jnp.float32) for d in floats)
+    s = sum(jnp.real(d.reshape(-1)[0]).astype(jnp.float32) for d in floats)
     zero = jnp.where(jnp.isfinite(s), s, jnp.zeros_like(s)) * 0  # exactly +-0, never NaN
     if zero_once:
         zero = jax.lax.optimization_barrier(zero)

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..grad_average import dtype_for
 from ..leaf_layout import LeafLayout, pad
 from ..mesh import DATA
 from ..options.communication import Quant
@@ -54,7 +55,7 @@ class Reducer:
     def scatter(self, grads: list, layouts: Any, *, flat: bool = False) -> list:
         """Local full gradients -> this device's shards of their sums over 'data', in
         :attr:`dtype`: one collective per leaf, or (``flat``) one flat one per call."""
-        grads = [g.astype(self.dtype) for g in grads]
+        grads = [g.astype(dtype_for(g, self.dtype)) for g in grads]
         if flat:
             return scatter_flat(grads, layouts, self.quant)
         return [reduce_scatter(g, lay, self.quant) for g, lay in zip(grads, layouts)]

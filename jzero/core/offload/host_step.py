@@ -60,8 +60,8 @@ from ...internal.host_compute import on_host
 from ...internal.interpret import REBINDS, Interpreter, bind, rebind
 from ...internal.interpret import value as read
 from ...internal.moved import InternalMoved
+from ..grad_average import averaged
 from ..grad_reduction import Gradients
-from ..leaf_layout import unpad
 from ..options.offload import HOST
 from ..options.precision import Precision
 from ..plan import Plan, Stored
@@ -263,7 +263,7 @@ def _bucket_program(
         keep = lambda new, old: jnp.where(finite, new, old) if guarded else new
         env = dict(zip(free, values))
         for i, g in zip(bucket.params, reduced):  # as the step averages them on the device
-            env[ins[i]] = unpad(g.astype(jnp.float32) / denominator, plan.params[i].layout)
+            env[ins[i]] = averaged(g, denominator, plan.params[i].layout)
         for j, x in zip(bucket.opt, opt):
             env[ins[n + j]] = view([x], [plan.opt[j]])[0]
         for i, x in zip(bucket.params, w):

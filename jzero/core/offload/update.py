@@ -33,8 +33,9 @@ import optax
 
 from ...internal.equation import environment, inputs, outputs
 from ...internal.interpret import value as read
+from ..grad_average import averaged
 from ..grad_reduction import Gradients
-from ..leaf_layout import LeafLayout, unpad
+from ..leaf_layout import LeafLayout
 from ..options.precision import Precision
 from ..plan import Plan, Stored
 from ..stored_form import store, to_device, to_host, view
@@ -155,7 +156,7 @@ class _Averaged(NamedTuple):
     layout: LeafLayout
 
     def chunk(self, cut: Cut) -> jax.Array:
-        return unpad(cut.take(self.reduced).astype(jnp.float32) / self.denominator, self.layout)
+        return averaged(cut.take(self.reduced), self.denominator, self.layout)
 
 
 def _run(split: Split, bucket: Bucket, env: dict, inputs: dict, cut: Cut | None) -> Any:
