@@ -150,7 +150,7 @@ def _compiled_for(mesh: Any, run: str, *, layers: int, d: int, batch: int) -> di
     from jax.sharding import PartitionSpec as P
 
     import jzero
-    from jzero.core.user_step.placement import stage3_specs
+    from jzero.core.user_step.placement import resting_specs
 
     tx = optax.adam(1e-3)
     init = lambda: init_params(jax.random.key(0), layers=layers, d=d)
@@ -163,7 +163,7 @@ def _compiled_for(mesh: Any, run: str, *, layers: int, d: int, batch: int) -> di
     else:
         shapes = jax.eval_shape(init)
         stage3 = run == "user3"
-        specs = stage3_specs(shapes, mesh, None) if stage3 else jax.tree.map(lambda _: P(), shapes)
+        specs = resting_specs(shapes, mesh, None) if stage3 else jax.tree.map(lambda _: P(), shapes)
         at = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
         params = jax.tree.map(at, shapes, specs)
         opt = tx if run == "dp" else jzero.shard_optimizer(tx, mesh, stage=int(run[-1]))

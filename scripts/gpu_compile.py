@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jzero  # noqa: E402
 from jzero.accounting.hlo import collectives  # noqa: E402
 from jzero.accounting.schedule import collective_overlap  # noqa: E402
-from jzero.core.user_step.placement import stage3_specs  # noqa: E402
+from jzero.core.user_step.placement import resting_specs  # noqa: E402
 
 L = 4
 CFG = gpt.GPTConfig(seq_len=128, d_model=512, n_heads=8, n_layers=L, dtype=jnp.bfloat16)
@@ -150,7 +150,7 @@ def user_step(stage: int, devices: int = 8) -> Program:
     mesh = _mesh(devices)
     tx = jzero.shard_optimizer(optax.adamw(1e-3), mesh, stage=stage)
     if stage == 3:
-        specs = stage3_specs(PARAMS, mesh, None)
+        specs = resting_specs(PARAMS, mesh, None)
         loss_fn = gpt.make_loss_fn(dataclasses.replace(CFG, gather_mesh=mesh))
     else:
         specs, loss_fn = jax.tree.map(lambda _: P(), PARAMS), LOSS

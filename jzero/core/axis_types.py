@@ -55,6 +55,14 @@ def on_compute_mesh(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     @functools.wraps(fn)
     def traced(*args: Any) -> Any:
         ambient = jax.sharding.get_abstract_mesh()
+        if not ambient.empty and ambient.size != twin.size:
+            raise ValueError(
+                f"this jzero optimizer was built for a mesh of {twin.size} devices "
+                f"({dict(mesh.shape)}), but it runs under jax.set_mesh of a mesh of "
+                f"{ambient.size} ({dict(ambient.shape)}); build it with the mesh you train "
+                "under (e.g. jzero.shard_optimizer(tx, mesh) with that mesh), or call it "
+                "outside the other mesh's context."
+            )
         args = jax.tree.map(lambda x: _retype_in(x, twin), args)
         if ambient.empty or ambient == twin.abstract_mesh:
             return fn(*args)

@@ -11,39 +11,44 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..gpu_target.compile_only import check_runnable
-from ..input_checks import check_leaves
+from ..input_checks import article, check_leaves
 from ..optimizer import ZeroOptimizer
 from ..options.layout import Layout
 from ..options.zero_config import ZeroConfig
 from .layout import user_layout
 
 
-def stage3_specs(params: Any, mesh: Mesh, layout: Layout | None) -> Any:
-    """The tree of ``PartitionSpec`` s stage 3 keeps ``params`` in."""
-    config = ZeroConfig(stage=3, layout=layout or Layout())
+def resting_specs(params: Any, mesh: Mesh, layout: Layout | None, stage: int = 3) -> Any:
+    """The tree of ``PartitionSpec`` s ``stage`` keeps ``params`` in (along ``data`` at
+    stage 3; over the user's other axes only, replicated over ``data``, at stages 0-2)."""
+    config = ZeroConfig(stage=stage, layout=layout or Layout())
     opt = ZeroOptimizer(optax.identity(), mesh, config=config)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     return user_layout(opt, shapes).params
 
 
-def shard_params(params: Any, mesh: Mesh, *, layout: Layout | None = None) -> Any:
-    """``params`` laid out along ``mesh``'s ``data`` axis, as ZeRO stage 3 keeps them.
+def shard_params(params: Any, mesh: Mesh, *, layout: Layout | None = None, stage: int = 3) -> Any:
+    """``params`` laid out on ``mesh`` as ZeRO ``stage`` keeps them: along ``data`` at
+    stage 3, replicated over ``data`` at stages 0-2.
 
-    Each leaf is sharded along the dimension ``jzero.ZeroOptimizer`` would pick, where the
-    ``data`` axis's size divides it (true shapes: no padding); other leaves, and scalars,
-    stay replicated over ``data``. ``layout`` (a :class:`jzero.Layout`: ``param_specs``
-    over the mesh's other axes, ``rules``, ``min_shard_size``) must be the one given to
-    :func:`jzero.shard_optimizer`. Inside ``jit`` this constrains the layout; outside it
-    moves the arrays (the caller's unsharded copies stay alive while referenced).
+    At stage 3 each leaf is sharded along the dimension ``jzero.ZeroOptimizer`` would pick,
+    where the ``data`` axis's size divides it (true shapes: no padding); other leaves, and
+    scalars, stay replicated over ``data``. At stages 0-2 this places parameters created
+    on one device where the first update returns them, so the user's ``jit`` step compiles
+    once, not again at the second step. ``layout`` (a :class:`jzero.Layout`:
+    ``param_specs`` over the mesh's other axes, ``rules``, ``min_shard_size``) must be the
+    one given to :func:`jzero.shard_optimizer`. Inside ``jit`` this constrains the layout;
+    outside it moves the arrays (the caller's unsharded copies stay alive while referenced).
 
     Examples:
-        >>> params = jzero.shard_params(params, mesh)
+        >>> params = jzero.shard_params(params, mesh)  # stage 3
         >>> tx = jzero.shard_optimizer(optax.adamw(3e-4), mesh, stage=3)
         >>> opt_state = tx.init(params)
+        >>> params = jzero.shard_params(params, mesh, stage=2)  # replicated: one compile
     """
     check_runnable(mesh, "jzero.shard_params")
     check_leaves(params, "params", allow_empty=False)
-    specs = stage3_specs(params, mesh, layout)
+    specs = resting_specs(params, mesh, layout, stage)
     return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
 
@@ -57,14 +62,22 @@ def check_placed(params: Any, specs: Any, mesh: Mesh) -> None:
         want = NamedSharding(mesh, spec)
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(want, x.ndim):
             continue
-        named = isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-        now = x.sharding.spec if named else f"a {type(x).__name__} on no mesh"
         raise ValueError(
             f"stage 3 keeps the parameters sharded along 'data', but params"
-            f"{jax.tree_util.keystr(path)} rests as {now}, not {spec} on this mesh; place them "
-            "first with params = jzero.shard_params(params, mesh) (the same layout= as "
+            f"{jax.tree_util.keystr(path)} rests {_where(x)}, not as {spec} on this mesh; place "
+            "them first with params = jzero.shard_params(params, mesh) (the same layout= as "
             "here), then call init and train with those."
         )
+
+
+def _where(x: Any) -> str:
+    """Where ``x`` rests, for a message: its spec, its devices, or what it is instead."""
+    if not isinstance(x, jax.Array):
+        return f"as {article(type(x).__name__)} (not on any device)"
+    if isinstance(x.sharding, NamedSharding):
+        return f"as {x.sharding.spec}"
+    n = len(x.sharding.device_set)
+    return f"on {n} device{'s' if n > 1 else ''} ({type(x.sharding).__name__})"
 
 
 def onto_mesh(tree: Any, mesh: Mesh) -> Any:
