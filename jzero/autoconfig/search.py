@@ -60,8 +60,10 @@ from .candidates import (
     shapes,
 )
 from .device_model import DeviceModel, calibrate
+from .target import GPUS_PER_HOST, OFFLOAD_NOTE, target_budget, target_mesh, target_model
 
 TIE = 0.05
+_MESH_OR_TARGET = "pass mesh= (the devices present) or target= (GPUs to plan for)"
 """Candidates predicted within this fraction of the fastest count as equally fast."""
 
 
@@ -97,6 +99,7 @@ class Choice(NamedTuple):
     search_seconds: float
     compiled: int  # candidates compiled
     smallest: Row | None  # when nothing fits: the lightest compiled candidate
+    notes: tuple[str, ...] = ()  # what the search left out, and why (e.g. target=)
 
     @property
     def chosen(self) -> Row | None:
@@ -122,11 +125,12 @@ class Choice(NamedTuple):
         budget = f"device budget {self.device_budget / 1e6:,.1f} MB"
         if self.host_budget is not None:
             budget += f", host budget {self.host_budget / 1e6:,.1f} MB"
+        notes = "".join(f" Note: {n}." for n in self.notes)
         if self.chosen is not None:
             row = self.chosen
             peak, ms = row.device_bytes / 1e6, row.seconds * 1e3
-            return f"chosen: {row.name} (compiled peak {peak:,.2f} MB, predicted {ms:.2f} ms per step); {budget}; {took}."  # noqa: E501
-        return f"{nothing_fits(self)}; {took}."
+            return f"chosen: {row.name} (compiled peak {peak:,.2f} MB, predicted {ms:.2f} ms per step); {budget}; {took}.{notes}"  # noqa: E501
+        return f"{nothing_fits(self)}; {took}.{notes}"
 
 
 def nothing_fits(choice: Choice) -> str:
@@ -190,7 +194,7 @@ def autoconfigure(
     params: Any = None,
     *,
     batch: Any,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     tx: optax.GradientTransformation,
     init_fn: Callable[[], Any] | None = None,
     config: ZeroConfig | None = None,
@@ -200,6 +204,7 @@ def autoconfigure(
     allow_delay: bool = False,
     device_model: DeviceModel | None = None,
     tie: float = TIE,
+    target: Any = None,
 ) -> Choice:
     """The configuration that fits ``device_budget`` and has the lowest predicted step time.
 
@@ -225,6 +230,22 @@ def autoconfigure(
             exact warm-up steps: it changes the numbers, so it is tried only when allowed.
         device_model: the rates to predict with (default: :func:`calibrate` on ``mesh``).
         tie: predicted times within this fraction count as equal (the simplest wins).
+        target: plan for GPUs that are not here, in place of ``mesh``: a string such as
+            ``"h100:64"`` (64 H100s, hosts of 8) or ``"h200:8x8"`` (hosts x GPUs), or a
+            :func:`jzero.gpu_mesh`. Every candidate is compiled by XLA's GPU compiler for
+            them (the ``gpu-compile`` extra); the budget is the spec's memory times JAX's
+            allocator share (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75) and the rates are
+            datasheet peaks (:mod:`jzero.autoconfig.target`), unless given. Offload is not
+            planned there (``Choice.notes`` says so).
+
+    Example (a plan for 64 H100s, from a laptop; nothing the model's size is allocated)::
+
+        choice = jzero.autoconfigure(
+            loss_fn, init_fn=functools.partial(model.init, key, x), tx=optax.adamw(3e-4),
+            batch={"tokens": jax.ShapeDtypeStruct((512, 2049), jnp.int32)},
+            target="h100:64",
+        )
+        print(choice.summary()); print(choice.table())
 
     Nothing is run but the device model's probe; every candidate is compiled ahead of time
     on abstract values. Raises ``ValueError`` for a batch whose rows do not split over the
@@ -232,6 +253,14 @@ def autoconfigure(
     """
     start = time.perf_counter()
     base = ZeroConfig(stage=0) if config is None else config
+    notes: tuple[str, ...] = ()
+    if target is not None:
+        mesh, device_budget, device_model = _for_target(
+            target, mesh, device_budget, device_model, host_budget, allow_delay
+        )
+        notes = (OFFLOAD_NOTE,)
+    elif mesh is None:
+        raise TypeError(f"autoconfigure needs mesh= or target=; {_MESH_OR_TARGET}.")
     problem = _problem(loss_fn, params, init_fn, batch, mesh, tx)
     budget = default_device_budget(mesh) if device_budget is None else float(device_budget)
     model = calibrate(mesh) if device_model is None else device_model
@@ -242,6 +271,8 @@ def autoconfigure(
         search.shape(shape)
     search.variants()
     chosen = select(search.rows, tie=tie)
+    if target is not None and chosen is None and search.compiled == 0:
+        raise ValueError(too_large(search.rows, budget, mesh))  # before compiling the lightest
     smallest = None if chosen is not None else search.smallest()
     return Choice(
         config=None if chosen is None else chosen.config,
@@ -252,6 +283,34 @@ def autoconfigure(
         search_seconds=time.perf_counter() - start,
         compiled=search.compiled,
         smallest=smallest,
+        notes=notes,
+    )
+
+
+def _for_target(target, mesh, budget, model, host_budget, allow_delay) -> tuple:
+    """``target``'s compile-only mesh, and its budget and device model where not given."""
+    if mesh is not None:
+        raise ValueError(f"autoconfigure got mesh= and target=; {_MESH_OR_TARGET}, not both.")
+    if host_budget is not None or allow_delay:
+        raise ValueError(f"host_budget= and allow_delay= plan offload; {OFFLOAD_NOTE}.")
+    mesh, spec = target_mesh(target)
+    budget = target_budget(spec) if budget is None else budget
+    return mesh, budget, target_model(spec) if model is None else model
+
+
+def too_large(rows: Sequence[Row], budget: float, mesh: Mesh) -> str:
+    """Why nothing was compiled for a target: the model states alone exceed the budget at
+    every stage; how many GPUs (whole hosts of 8 above 8) would hold the lightest."""
+    lightest = min(r.estimate_bytes for r in rows)
+    n = math.prod(mesh.shape.values())
+    need = math.ceil(n * lightest / budget)  # the states shrink as 1/N at stage 3
+    need = need if need <= GPUS_PER_HOST else -(-need // GPUS_PER_HOST) * GPUS_PER_HOST
+    return (
+        f"the model's states alone ({lightest / 1e9:,.2f} GB per GPU at best, by the "
+        f"estimator) exceed the budget of {budget / 1e9:,.2f} GB on every one of the "
+        f"{n} GPUs at every stage; about {need} such GPUs would hold them at stage 3 "
+        "(activations need more): plan for more GPUs, a smaller model, or a 16-bit "
+        "Precision."
     )
 
 

@@ -37,9 +37,10 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
         description="Compile every plausible configuration of a model's training step ahead "
         "of time (nothing runs but a short device probe), read its memory, collective bytes "
         "and FLOPs, and choose the one that fits the budget with the lowest predicted time.",
-        epilog="Example: python -m jzero autoconfigure examples/gpt.py:problem --set "
+        epilog="Examples: python -m jzero autoconfigure examples/gpt.py:problem --set "
         "d_model=256 --set batch=64 --device-budget 16GB (examples/gpt.py's problem() "
-        "returns such a dict).",
+        "returns such a dict); with --target h100:64 the same plan for 64 H100s, compiled "
+        "here for them (JAX_PLATFORMS=cpu, pip install 'jzero[gpu-compile]').",
     )
     p.add_argument("factory", metavar="FILE.py:FUNCTION", help=FACTORY_HELP)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -58,6 +59,13 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
     p.add_argument("--stages", default="0,1,2,3", help="the stages to consider (default all)")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="without an accelerator, this many CPU devices (default 8)")  # fmt: skip
+    p.add_argument(
+        "--target",
+        metavar="GPU:COUNT",
+        help="plan for GPUs that are not here, compiled by XLA's GPU compiler (the "
+        "gpu-compile extra): e.g. h100:64 (hosts of 8) or h200:8x8 (hosts x GPUs); GPUs: "
+        "a100, b200, h100, h200, v100. No offload is planned there.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -71,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
     problem = _problem(args.factory, _keywords(args.set))
-    mesh = jzero.data_mesh()
+    where = {"target": args.target} if args.target else {"mesh": jzero.data_mesh()}
     stages = tuple(int(s) for s in args.stages.split(","))
     choice = jzero.autoconfigure(
         problem["loss_fn"], problem.get("params"), init_fn=problem.get("init_fn"),
-        batch=problem["batch"], mesh=mesh, tx=problem.get("tx") or _default_tx(),
+        batch=problem["batch"], tx=problem.get("tx") or _default_tx(),
         config=problem.get("config"), device_budget=args.device_budget,
-        host_budget=args.host_budget, stages=stages, allow_delay=args.allow_delay,
+        host_budget=args.host_budget, stages=stages, allow_delay=args.allow_delay, **where,
     )  # fmt: skip
     text = f"{choice.table()}\n\n{choice.summary()}"
     print(json.dumps(to_json(choice), indent=2) if args.json else text)
@@ -106,6 +114,7 @@ def to_json(choice: Any) -> dict:
         "search_seconds": choice.search_seconds,
         "compiled": choice.compiled,
         "smallest": None if choice.smallest is None else row(choice.smallest),
+        "notes": list(choice.notes),
         "rows": [row(r) for r in choice.rows],
     }
 

@@ -1,6 +1,7 @@
 """``python -m jzero estimate``: its units (parameter counts, memory sizes), its tables and
 JSON, its errors, and its plot of the ZeRO paper's Figure 1."""
 
+import importlib.util
 import json
 import re
 import sys
@@ -300,9 +301,25 @@ def test_autoconfigure_help_says_what_the_factory_returns(capsys):
         "run's own options, kept in every candidate) "
     ) in help_text
     assert help_text.endswith(
-        "Example: python -m jzero autoconfigure examples/gpt.py:problem --set d_model=256 "
-        "--set batch=64 --device-budget 16GB (examples/gpt.py's problem() returns such a dict)."
+        "Examples: python -m jzero autoconfigure examples/gpt.py:problem --set d_model=256 "
+        "--set batch=64 --device-budget 16GB (examples/gpt.py's problem() returns such a "
+        "dict); with --target h100:64 the same plan for 64 H100s, compiled here for them "
+        "(JAX_PLATFORMS=cpu, pip install 'jzero[gpu-compile]')."
     )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None, reason="needs jzero[gpu-compile]"
+)
+@pytest.mark.xdist_group("gpu_compile")
+def test_autoconfigure_plans_for_gpus_that_are_not_here(capsys):
+    argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "2", "--target"]
+    assert main([*argv, "h100:8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chosen"] == "zero2 accum=1" and out["device_budget"] == 0.75 * 84942979072
+    assert out["notes"][0].startswith("offload not considered: compile-only GPUs")
+    assert main([*argv, "h100:12"]) == 2
+    assert "12 GPUs do not split into hosts of 8" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

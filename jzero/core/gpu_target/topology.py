@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.resources
 import logging
 import math
+import re
 from collections.abc import Sequence
 
 import jax
@@ -124,6 +125,13 @@ def _gpu_name(gpu: str) -> str:
             f"{', '.join(ALIASES)}); pass one of them (case-insensitive)."
         )
     return key
+
+
+def device_memory_size(gpu: str) -> int:
+    """The bytes of memory one ``gpu`` has: its spec's ``device_memory_size``."""
+    name = _gpu_name(gpu)
+    spec = importlib.resources.files(__package__).joinpath("specs", SPECS[name]).read_text()
+    return int(re.search(r"device_memory_size:\s*(\d+)", spec).group(1))
 
 
 def _mesh_shape(

@@ -1,0 +1,103 @@
+"""``jzero.autoconfigure(..., target=...)``: a plan for GPUs that are not here, compiled by
+XLA's GPU compiler (the ``gpu-compile`` extra, which ``scripts/test.sh`` installs; the
+parsing and its errors need none). The tiny example GPT keeps each compile to seconds."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jzero
+from jzero.autoconfig.target import parse_target, target_budget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt  # noqa: E402
+
+PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+needs_plugin = pytest.mark.skipif(not PLUGIN, reason="needs jzero[gpu-compile]")
+CFG = gpt.GPTConfig(vocab_size=512, seq_len=32, d_model=128, n_heads=2, n_layers=2)
+BATCH = {"tokens": jax.ShapeDtypeStruct((16, CFG.seq_len + 1), jnp.int32)}
+INIT = functools.partial(gpt.init_params, CFG, jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    "spelled, gpu, hosts, devices",
+    [("h100:64", "h100", 8, 64), ("h200:8x8", "h200", 8, 64), ("a100", "a100", 1, 8),
+     ("V100-32GB:4", "v100", 1, 4), ("b200:2x4", "b200", 2, 8)],
+)  # fmt: skip
+def test_a_target_names_gpus_and_hosts(spelled, gpu, hosts, devices):
+    target = parse_target(spelled)
+    assert (target.gpu, target.hosts, target.devices) == (gpu, hosts, devices)
+
+
+@pytest.mark.parametrize(
+    "spelled, message",
+    [("h100:12", r"12 GPUs do not split into hosts of 8; say the hosts, e\.g\. 'h100:2x6'"),
+     ("x100:8", r"unknown GPU 'x100'.*known: a100, b200, h100, h200, v100"),
+     ("h100:0", "has no GPUs"), ("h100 64", "is not GPU:COUNT or GPU:HOSTSxGPUS")],
+)  # fmt: skip
+def test_a_bad_target_says_how_to_spell_it(spelled, message):
+    with pytest.raises(ValueError, match=message):
+        parse_target(spelled)
+
+
+def test_the_budget_is_the_share_jax_takes_of_the_gpus_memory(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert target_budget(parse_target("h100:8")) == 0.75 * 84942979072
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert target_budget(parse_target("h100:8")) == 0.9 * 84942979072
+
+
+def test_mesh_and_target_are_one_or_the_other():
+    plan = functools.partial(
+        jzero.autoconfigure, gpt.make_loss_fn(CFG), init_fn=INIT, batch=BATCH, tx=optax.adamw(1e-3)
+    )
+    with pytest.raises(ValueError, match="got mesh= and target="):
+        plan(mesh=jzero.data_mesh(), target="h100:8")
+    with pytest.raises(TypeError, match="needs mesh= or target="):
+        plan()
+
+
+@needs_plugin
+@pytest.mark.xdist_group("gpu_compile")
+@pytest.mark.parametrize("target", ["h100:8", "mesh"])
+def test_a_plan_for_gpus_that_are_not_here(target):
+    """Compiled for 8 H100s (a string, or a jzero.gpu_mesh): the chosen configuration's
+    compiled peak is within the H100's budget, and the offload note is in the result."""
+    target = jzero.gpu_mesh("h100", devices=8) if target == "mesh" else target
+    choice = jzero.autoconfigure(
+        gpt.make_loss_fn(CFG), init_fn=INIT, batch=BATCH, tx=optax.adamw(1e-3),
+        target=target, stages=(2,),
+    )  # fmt: skip
+    assert choice.config is not None and choice.config.stage == 2
+    assert choice.device_budget == target_budget(parse_target("h100:8"))
+    assert 0 < choice.chosen.device_bytes <= choice.device_budget
+    assert choice.chosen.collective_bytes > 0 and choice.chosen.seconds > 0
+    assert any("offload not considered" in note for note in choice.notes)
+    assert "offload not considered" in choice.summary()
+
+
+@needs_plugin
+def test_plans_with_offload_are_refused_for_a_target():
+    with pytest.raises(ValueError, match="plan offload; offload not considered"):
+        jzero.autoconfigure(gpt.make_loss_fn(CFG), init_fn=INIT, batch=BATCH,
+                            tx=optax.adamw(1e-3), target="h100:8", host_budget=1e9)  # fmt: skip
+
+
+@needs_plugin
+def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it():
+    """Model states alone over budget at every stage: refused before any compile, with
+    the estimator's count of GPUs (whole hosts of 8)."""
+    huge = {"w": jax.ShapeDtypeStruct((2**20, 2**17), jnp.float32)}  # 137 B parameters
+    # 274.88 GB of states per GPU at stage 3 over 63.71 GB: 35 GPUs, whole hosts of 8
+    message = r"\(274\.88 GB per GPU at best.*63\.71 GB on every one of the 8 GPUs at every "
+    with pytest.raises(ValueError, match=message + "stage; about 40 such GPUs would hold"):
+        jzero.autoconfigure(lambda p, b: jnp.sum(p["w"]), huge, batch=BATCH,
+                            tx=optax.adamw(1e-3), target="h100:8")  # fmt: skip
