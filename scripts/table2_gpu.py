@@ -111,7 +111,7 @@ def widths_for(target: Target, stage: int, quick: bool) -> tuple[int, ...]:
     if model < 2e10:
         return (2048, 4096)
     if model < 2e11:
-        return (4096, 8192)
+        return (4096, 6144, 7168, 8192)
     return (8192, 12288)
 
 
