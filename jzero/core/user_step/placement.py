@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -20,10 +21,28 @@ from .layout import user_layout
 
 def resting_specs(params: Any, mesh: Mesh, layout: Layout | None, stage: int = 3) -> Any:
     """The tree of ``PartitionSpec`` s ``stage`` keeps ``params`` in (along ``data`` at
-    stage 3; over the user's other axes only, replicated over ``data``, at stages 0-2)."""
+    stage 3; over the user's other axes only, replicated over ``data``, at stages 0-2).
+    Computed once per tree of shapes, mesh, layout and stage (an eager loop that places
+    its parameters each step plans once)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    leaves, treedef = jax.tree.flatten(shapes)
+    try:
+        return _cached_specs(
+            treedef, tuple((x.shape, x.dtype) for x in leaves), mesh, layout, stage
+        )
+    except TypeError:  # a layout of unhashable specs (e.g. a dict): planned each time
+        return _plan_specs(shapes, mesh, layout, stage)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_specs(treedef, leaves: tuple, mesh: Mesh, layout: Layout | None, stage: int) -> Any:
+    shapes = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in leaves])
+    return _plan_specs(shapes, mesh, layout, stage)
+
+
+def _plan_specs(shapes: Any, mesh: Mesh, layout: Layout | None, stage: int) -> Any:
     config = ZeroConfig(stage=stage, layout=layout or Layout())
     opt = ZeroOptimizer(optax.identity(), mesh, config=config)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     return user_layout(opt, shapes).params
 
 
