@@ -9,7 +9,8 @@
 # and its gradient copies in backward (read from the step lowered for cuda),
 # the compiled peak per memory space (it reads XLA's HLO text), Orbax checkpoints that
 # reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for absent GPUs (the
-# CUDA plugin 0.11.2), and the GPU check's fast tests (test_gpu_check).
+# CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's value_fn, typed keys,
+# complex parameters), and the GPU check's fast tests (test_gpu_check).
 # scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,13 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/checkpoint/test_checkpoint.py::test_round_trip_reshards_across_stages_and_device_counts[saved3-restored3]" \
     "tests/checkpoint/test_checkpoint.py::test_resume_equals_uninterrupted_bitwise[precision1]" \
     "tests/adapters/test_flax.py::test_linen_matches_single_device[3]" \
-    "tests/adapters/test_flax.py::test_nnx_matches_single_device[3]" tests/core/gpu_target "$@"
+    "tests/adapters/test_flax.py::test_nnx_matches_single_device[3]" tests/core/gpu_target \
+    "tests/core/user_step/test_drop_in_inputs.py::test_lbfgs_line_search_takes_the_loss_function_as_an_extra_argument[jit-3]" \
+    "tests/core/user_step/test_drop_in_inputs.py::test_a_typed_key_in_the_state_of_jzeros_own_step[3]" \
+    "tests/core/user_step/test_drop_in_inputs.py::test_complex_parameters_in_the_users_step[2]" \
+    "tests/core/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[3-options3]" \
+    "tests/core/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[2-options4]" \
+    tests/checkpoint/test_typed_key_state.py "$@"
 # test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
 # minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider tests/project/test_gpu_check.py "$@"

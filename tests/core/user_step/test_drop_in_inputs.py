@@ -197,6 +197,7 @@ def test_complex_parameters_in_the_users_step(stage):
 )  # fmt: skip
 def test_complex_parameters_in_jzeros_own_step(stage, options):
     mesh = jzero.data_mesh()
+    options = dict(options)
     grad_accum = options.pop("grad_accum", 1)
     opt = jzero.ZeroOptimizer(optax.adam(1e-2), mesh, stage=stage, min_shard_size=1, **options)
     state = opt.init(_complex_params())

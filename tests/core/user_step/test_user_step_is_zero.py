@@ -189,3 +189,18 @@ def test_gather_with_the_mesh_changes_nothing_in_jzeros_own_step(stage):
             state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[0] == losses[1]
+
+
+def test_stages_1_and_2_are_one_program_in_the_users_step():
+    """In the user's own step the compiler places the collectives, and stages 1 and 2 lay
+    out the gradients and the state on the same shards: one program (so the peers' Optax
+    suite runs at stages 1 and 3 in CI, tests/vendor/peer_failures.py)."""
+    mesh = jzero.data_mesh()
+    params = {"w": jnp.ones((16, 8)), "b": jnp.ones((8,)), "s": jnp.ones(())}
+
+    def lowered(stage):
+        tx = jzero.shard_optimizer(optax.adamw(1e-3), mesh, stage=stage)
+        step = jax.jit(lambda p, s: tx.update(jax.tree.map(jnp.sin, p), s, p))
+        return step.lower(params, tx.init(params)).as_text()
+
+    assert lowered(1) == lowered(2)
