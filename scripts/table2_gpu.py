@@ -32,7 +32,6 @@ import importlib.metadata
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from max_model import largest_fitting  # noqa: E402
 
 import jzero  # noqa: E402
+from jzero.core.gpu_target.topology import device_memory_size  # noqa: E402
 
 MEMORY_FORMULA = (
     "argument + output - alias + temp (compiled.memory_analysis(), bytes per device: "
@@ -117,15 +117,6 @@ def widths_for(target: Target, stage: int, quick: bool) -> tuple[int, ...]:
 
 def theory_params(target: Target, stage: int, memory: float) -> float:
     return memory / state_bytes_per_param(stage, target.devices)
-
-
-def device_memory_size(gpu: str) -> int:
-    """The spec's ``device_memory_size`` (the bytes XLA:GPU's scheduler may use)."""
-    from jzero.core.gpu_target import topology
-
-    name = topology.ALIASES.get(gpu.lower(), gpu.lower())
-    spec = Path(topology.__file__).parent / "specs" / topology.SPECS[name]
-    return int(re.search(r"device_memory_size:\s*(\d+)", spec.read_text()).group(1))
 
 
 def config(width: int, layers: int, *, precision: str, seq_len: int, vocab: int):

@@ -123,7 +123,12 @@ def _gpu_of(kind: str) -> str:
     found = [g for g in gpu_names() if g.split("-")[0] in lowered]
     if "16gb" in lowered and "v100-16gb" in found:
         return "v100-16gb"
-    return found[0] if found else "h100"
+    if not found:
+        raise ValueError(
+            f"target= got a mesh of {kind!r}, which no spec names; build it with "
+            f"jzero.gpu_mesh(gpu, ...) for one of {', '.join(gpu_names())}."
+        )
+    return found[0]
 
 
 def target_budget(target: Target) -> float:
