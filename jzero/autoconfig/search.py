@@ -11,7 +11,9 @@ The search, for a loss, its parameters, a global batch and a mesh:
 2. **Compile the plausible few**, ahead of time on abstract values (nothing runs): per
    remaining shape (stage, offload, recompute), the smallest gradient accumulation whose
    compiled step fits (the biggest micro-batch: fewest loop steps, fewest stage-2/3
-   reduce-scatters); then, for the three fastest, buckets and prefetch.
+   reduce-scatters); then, for the three fastest, buckets and prefetch; and the chosen
+   configuration at the next-larger micro-batch, to show it does not fit
+   (``Choice.larger``).
 3. **Read each compiled step**: its peak per memory space
    (:func:`jzero.accounting.memory_spaces.of_compiled`), its collective bytes per device
    (:func:`jzero.accounting.comm_bytes`) and how many it launches, and its dot FLOPs
@@ -31,6 +33,7 @@ the most micro-batches).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -81,6 +84,7 @@ class Row(NamedTuple):
     flops: float | None  # dot FLOPs per device per step
     seconds: float | None  # predicted step time
     dropped: str | None  # why it was not chosen (None: it fits)
+    compile_seconds: float | None = None  # lowering and compiling it took (None: not compiled)
 
     @property
     def fits(self) -> bool:
@@ -100,6 +104,7 @@ class Choice(NamedTuple):
     compiled: int  # candidates compiled
     smallest: Row | None  # when nothing fits: the lightest compiled candidate
     notes: tuple[str, ...] = ()  # what the search left out, and why (e.g. target=)
+    larger: Row | None = None  # the chosen configuration at the next-larger micro-batch
 
     @property
     def chosen(self) -> Row | None:
@@ -129,8 +134,19 @@ class Choice(NamedTuple):
         if self.chosen is not None:
             row = self.chosen
             peak, ms = row.device_bytes / 1e6, row.seconds * 1e3
-            return f"chosen: {row.name} (compiled peak {peak:,.2f} MB, predicted {ms:.2f} ms per step); {budget}; {took}.{notes}"  # noqa: E501
+            return f"chosen: {row.name} (compiled peak {peak:,.2f} MB, predicted {ms:.2f} ms per step){_larger(self.larger)}; {budget}; {took}.{notes}"  # noqa: E501
         return f"{nothing_fits(self)}; {took}.{notes}"
+
+
+def _larger(row: Row | None) -> str:
+    """What the next-larger micro-batch of the chosen configuration compiled to."""
+    if row is None or row.device_bytes is None:
+        return ""
+    verdict = "fits too" if row.fits else "over the budget"
+    return (
+        f"; its next-larger micro-batch ({row.micro_batch} rows per device) compiles to "
+        f"{row.device_bytes / 1e6:,.2f} MB, {verdict}"
+    )
 
 
 def nothing_fits(choice: Choice) -> str:
@@ -270,7 +286,7 @@ def autoconfigure(
     for shape in shapes(base, stages=stages, offload=offload, partial=partial, delay=allow_delay):
         search.shape(shape)
     search.variants()
-    chosen = select(search.rows, tie=tie)
+    chosen, larger = search.choose(tie)
     if target is not None and chosen is None and search.compiled == 0:
         raise ValueError(too_large(search.rows, budget, mesh))  # before compiling the lightest
     smallest = None if chosen is not None else search.smallest()
@@ -284,6 +300,7 @@ def autoconfigure(
         compiled=search.compiled,
         smallest=smallest,
         notes=notes,
+        larger=larger,
     )
 
 
@@ -370,6 +387,35 @@ class _Search:
                 config = self._config(shape, c.step.grad_accum, bucket, prefetch)
                 self.rows.append(self._measure(config, row.estimate_bytes))
 
+    def choose(self, tie: float) -> tuple[Row | None, Row | None]:
+        """The row :func:`select` picks, and its configuration at the next-larger
+        micro-batch, compiled (so the answer shows the micro-batch is the largest that
+        fits; should that one fit after all, as a variant's might, it joins the rows and
+        the choice is made again)."""
+        chosen = select(self.rows, tie=tie)
+        while chosen is not None:
+            larger = self.larger(chosen)
+            again = select(self.rows, tie=tie)
+            if again is chosen:
+                return chosen, larger
+            chosen = again
+        return None, None
+
+    def larger(self, row: Row) -> Row | None:
+        """``row``'s configuration with the next fewer micro-batches, as compiled (None
+        when ``row`` already takes each device's rows at once)."""
+        fewer = [k for k in self.accums if k < row.config.step.grad_accum]
+        if not fewer:
+            return None
+        step = dataclasses.replace(row.config.step, grad_accum=fewer[-1])
+        config = dataclasses.replace(row.config, step=step)
+        found = [r for r in self.rows if r.config == config and r.device_bytes is not None]
+        if found:
+            return found[0]
+        self.rows = [r for r in self.rows if r.config != config]
+        self.rows.append(self._measure(config, row.estimate_bytes))
+        return self.rows[-1]
+
     def smallest(self) -> Row | None:
         """The lightest compiled candidate, after compiling every accumulation of the
         stage-3 shapes not compiled yet (recompute, and offload when allowed: the lightest
@@ -409,7 +455,7 @@ class _Search:
 
     def _measure(self, config: ZeroConfig, states: float) -> Row:
         """Compiles ``config``'s step ahead of time and reads it."""
-        p = self.problem
+        p, start = self.problem, time.perf_counter()
         opt = ZeroOptimizer(p.tx, p.mesh, config=config)
         init = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), p.shapes)
         program, arg = opt.init_program(init_fn=init)
@@ -419,6 +465,7 @@ class _Search:
         except Exception as e:  # noqa: BLE001 -- a candidate the compiler refuses is a row
             return self._row(config, states, why=f"does not compile: {type(e).__name__}: {e}"[:120])
         self.compiled += 1
+        took = time.perf_counter() - start
         text = compiled.as_text()
         peak = memory_spaces.of_compiled(compiled, hlo_text=text)
         found = collectives(text)
@@ -433,7 +480,7 @@ class _Search:
         elif host and (self.host_budget is None or host > self.host_budget):
             why = f"host peak {host / 1e6:,.2f} MB > host budget"
         return Row(describe(config), config, micro_batch(p.rows, self.dp, config.step.grad_accum),
-                   states, device, host, comm, count, flops, seconds, why)  # fmt: skip
+                   states, device, host, comm, count, flops, seconds, why, took)  # fmt: skip
 
 
 def _host_bytes(plan: Plan) -> tuple[float, float]:

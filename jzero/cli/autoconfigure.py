@@ -39,8 +39,9 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
         "and FLOPs, and choose the one that fits the budget with the lowest predicted time.",
         epilog="Examples: python -m jzero autoconfigure examples/gpt.py:problem --set "
         "d_model=256 --set batch=64 --device-budget 16GB (examples/gpt.py's problem() "
-        "returns such a dict); with --target h100:64 the same plan for 64 H100s, compiled "
-        "here for them (JAX_PLATFORMS=cpu, pip install 'jzero[gpu-compile]').",
+        "returns such a dict). For GPUs that are not here: JAX_PLATFORMS=cpu python -m jzero "
+        "autoconfigure examples/llama.py:problem --set size=8b --target h100:8 (Llama 3 8B "
+        "on 8 H100s, compiled here for them; pip install 'jzero[gpu-compile]').",
     )
     p.add_argument("factory", metavar="FILE.py:FUNCTION", help=FACTORY_HELP)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -102,7 +103,7 @@ def to_json(choice: Any) -> dict:
         "device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
         "collective_bytes": r.collective_bytes, "collectives": r.collectives,
         "flops": r.flops, "seconds": r.seconds,
-        "dropped": r.dropped,
+        "dropped": r.dropped, "compile_seconds": r.compile_seconds,
     }  # fmt: skip
     chosen = choice.chosen
     return {
@@ -114,6 +115,7 @@ def to_json(choice: Any) -> dict:
         "search_seconds": choice.search_seconds,
         "compiled": choice.compiled,
         "smallest": None if choice.smallest is None else row(choice.smallest),
+        "larger": None if choice.larger is None else row(choice.larger),
         "notes": list(choice.notes),
         "rows": [row(r) for r in choice.rows],
     }

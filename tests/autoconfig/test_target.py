@@ -4,6 +4,7 @@ parsing and its errors need none). The tiny example GPT keeps each compile to se
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import sys
@@ -65,17 +66,27 @@ def test_mesh_and_target_are_one_or_the_other():
         plan()
 
 
+def _plan(**kwargs):
+    return jzero.autoconfigure(gpt.make_loss_fn(CFG), init_fn=INIT, batch=BATCH,
+                               tx=optax.adamw(1e-3), stages=(2,), **kwargs)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def h100_plan():
+    """Stage 2 planned for 8 H100s: each device's two rows fit at once."""
+    return _plan(target="h100:8")
+
+
 @needs_plugin
 @pytest.mark.xdist_group("gpu_compile")
 @pytest.mark.parametrize("target", ["h100:8", "mesh"])
-def test_a_plan_for_gpus_that_are_not_here(target):
+def test_a_plan_for_gpus_that_are_not_here(target, request):
     """Compiled for 8 H100s (a string, or a jzero.gpu_mesh): the chosen configuration's
     compiled peak is within the H100's budget, and the offload note is in the result."""
-    target = jzero.gpu_mesh("h100", devices=8) if target == "mesh" else target
-    choice = jzero.autoconfigure(
-        gpt.make_loss_fn(CFG), init_fn=INIT, batch=BATCH, tx=optax.adamw(1e-3),
-        target=target, stages=(2,),
-    )  # fmt: skip
+    if target == "mesh":
+        choice = _plan(target=jzero.gpu_mesh("h100", devices=8))
+    else:
+        choice = request.getfixturevalue("h100_plan")
     assert choice.config is not None and choice.config.stage == 2
     assert choice.device_budget == target_budget(parse_target("h100:8"))
     assert 0 < choice.chosen.device_bytes <= choice.device_budget
@@ -101,3 +112,24 @@ def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it():
     with pytest.raises(ValueError, match=message + "stage; about 40 such GPUs would hold"):
         jzero.autoconfigure(lambda p, b: jnp.sum(p["w"]), huge, batch=BATCH,
                             tx=optax.adamw(1e-3), target="h100:8")  # fmt: skip
+
+
+@needs_plugin
+@pytest.mark.xdist_group("gpu_compile")
+def test_the_answer_shows_the_next_larger_micro_batch_does_not_fit(h100_plan):
+    """With a budget just under the one-micro-batch step's compiled peak, the chosen
+    configuration takes two micro-batches, and ``choice.larger`` is that same
+    configuration at one, as compiled by the same GPU compiler: over the budget."""
+    whole = h100_plan
+    assert whole.chosen.config.step.grad_accum == 1 and whole.larger is None
+    one = next(r for r in whole.rows if r.name == "zero2 accum=1")
+    assert one.compile_seconds > 0
+    cut = _plan(target="h100:8", device_budget=one.device_bytes - 1)
+    row, larger = cut.chosen, cut.larger
+    assert row.config.step.grad_accum == 2 and row.micro_batch == 1
+    assert larger.config == dataclasses.replace(
+        row.config, step=dataclasses.replace(row.config.step, grad_accum=1)
+    )
+    assert larger.micro_batch == 2 * row.micro_batch and not larger.fits
+    assert row.device_bytes <= cut.device_budget < larger.device_bytes
+    assert f"next-larger micro-batch ({larger.micro_batch} rows per device)" in cut.summary()

@@ -291,6 +291,7 @@ def test_autoconfigure_help_says_what_the_factory_returns(capsys):
         main(["autoconfigure", "--help"])
     assert exit_info.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())  # argparse's line breaks undone
+    help_text = re.sub(r"(\w)- (\w)", r"\1-\2", help_text)  # and its breaks after hyphens
     assert "see above" not in help_text
     assert (
         "FILE.py:FUNCTION a function (in FILE.py, or MODULE:FUNCTION) that returns a dict: "
@@ -303,8 +304,9 @@ def test_autoconfigure_help_says_what_the_factory_returns(capsys):
     assert help_text.endswith(
         "Examples: python -m jzero autoconfigure examples/gpt.py:problem --set d_model=256 "
         "--set batch=64 --device-budget 16GB (examples/gpt.py's problem() returns such a "
-        "dict); with --target h100:64 the same plan for 64 H100s, compiled here for them "
-        "(JAX_PLATFORMS=cpu, pip install 'jzero[gpu-compile]')."
+        "dict). For GPUs that are not here: JAX_PLATFORMS=cpu python -m jzero autoconfigure "
+        "examples/llama.py:problem --set size=8b --target h100:8 (Llama 3 8B on 8 H100s, "
+        "compiled here for them; pip install 'jzero[gpu-compile]')."
     )
 
 
@@ -329,6 +331,7 @@ def test_autoconfigure_plans_for_gpus_that_are_not_here(capsys):
         (["missing.py:problem"], "missing.py: no such file"),
         ([GPT.replace(":problem", ":nothing")], "has no function 'nothing'"),
         ([GPT, "--set", "d_model"], "--set 'd_model': write KEY=VALUE"),
+        (["examples/llama.py:problem", "--set", "size=13b"], "size '13b' is not one of 8b, 70b"),
     ],
 )
 def test_autoconfigure_bad_input_returns_2_with_one_line(argv, error, capsys):
