@@ -51,7 +51,8 @@ def check_runnable(mesh: Mesh, what: str) -> None:
             "jax.jit(...).trace(...).lower().compile() and read its memory_analysis() and "
             "as_text() (a ZeroOptimizer's state: fn, arg = opt.init_program(init_fn=...), "
             "state = jax.eval_shape(fn, arg); its step: "
-            "opt.train_step(loss_fn).lower(state, batch).compile()); to run, use a mesh of "
+            "opt.train_step(loss_fn).lower(state, batch).compile(); jzero.shard_params "
+            "takes jax.ShapeDtypeStructs and returns them sharded); to run, use a mesh of "
             "real devices, e.g. jzero.data_mesh()."
         )
 

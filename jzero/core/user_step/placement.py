@@ -58,6 +58,8 @@ def shard_params(params: Any, mesh: Mesh, *, layout: Layout | None = None, stage
     ``param_specs`` over the mesh's other axes, ``rules``, ``min_shard_size``) must be the
     one given to :func:`jzero.shard_optimizer`. Inside ``jit`` this constrains the layout;
     outside it moves the arrays (the caller's unsharded copies stay alive while referenced).
+    ``jax.ShapeDtypeStruct`` s come back as ``ShapeDtypeStruct`` s carrying the shardings
+    (nothing runs; a compile-only :func:`jzero.gpu_mesh` is fine), to lower a step with.
 
     Examples:
         >>> params = jzero.shard_params(params, mesh)  # stage 3
@@ -65,10 +67,27 @@ def shard_params(params: Any, mesh: Mesh, *, layout: Layout | None = None, stage
         >>> opt_state = tx.init(params)
         >>> params = jzero.shard_params(params, mesh, stage=2)  # replicated: one compile
     """
+    if _abstract(params):
+        specs = resting_specs(params, mesh, layout, stage)
+        at = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+        return jax.tree.map(at, params, specs)
     check_runnable(mesh, "jzero.shard_params")
     check_leaves(params, "params", allow_empty=False)
     specs = resting_specs(params, mesh, layout, stage)
     return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+
+def _abstract(params: Any) -> bool:
+    """True for a tree of ``jax.ShapeDtypeStruct`` s; raises for one that mixes them with
+    arrays (neither placed nor only described)."""
+    flags = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)]
+    if any(flags) and not all(flags):
+        raise ValueError(
+            "jzero.shard_params got jax.ShapeDtypeStructs mixed with arrays; pass only "
+            "shapes (they come back with their shardings, nothing placed) or only arrays "
+            "(they are placed)."
+        )
+    return bool(flags) and all(flags)
 
 
 def check_placed(params: Any, specs: Any, mesh: Mesh) -> None:

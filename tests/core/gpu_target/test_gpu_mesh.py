@@ -152,3 +152,27 @@ def test_offload_is_refused_on_the_gpus():
         with pytest.raises(ValueError, match="XLA drops memory kinds on them"):
             jzero.ZeroOptimizer(optax.adam(1e-3), mesh, stage=3, offload=offload)
     jzero.ZeroOptimizer(optax.adam(1e-3), mesh, stage=3, offload=jzero.Offload())  # none
+
+
+def test_shard_params_gives_shapes_their_stage_3_shardings_for_the_gpus(stage3):
+    """Shapes in, shapes out with the shardings stage 3 rests them in (those of jzero's own
+    state where no padding is needed), nothing placed: a user's own jit step with
+    shard_optimizer then lowers and compiles for the GPUs from them, gathering at stage 3."""
+    opt, state, batch = stage3
+    placed = jzero.shard_params(jax.eval_shape(_init), opt.mesh)
+    for name in ("w1", "w2"):
+        assert isinstance(placed[name], jax.ShapeDtypeStruct)
+        assert placed[name].sharding == state.params[name].sharding, name
+    stage2 = jzero.shard_params(jax.eval_shape(_init), opt.mesh, stage=2)
+    assert stage2["w1"].sharding == NamedSharding(opt.mesh, P())
+    tx = jzero.shard_optimizer(optax.adam(1e-3), opt.mesh, stage=3)
+    opt_state = jax.eval_shape(tx.init, placed)
+
+    def step(params, opt_state, batch):
+        updates, opt_state = tx.update(jax.grad(_loss)(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    compiled = jax.jit(step).trace(placed, opt_state, batch).lower().compile()
+    assert "all-gather" in compiled.as_text()
+    with pytest.raises(ValueError, match="mixed with arrays; pass only shapes"):
+        jzero.shard_params({"w1": placed["w1"], "w2": jnp.zeros((512, 16))}, opt.mesh)
