@@ -16,7 +16,6 @@ import json
 from typing import Any
 
 import jax
-import numpy as np
 
 from ..core.plan import Plan, Stored, ZeroState
 from .errors import CheckpointError as CheckpointError
@@ -57,10 +56,6 @@ def flatten(state: ZeroState) -> tuple[dict[str, jax.Array], dict[str, tuple[int
             arrays[leaf_key(group, name)] = x
             shapes[leaf_key(group, name)] = tuple(int(d) for d in shape)
     return arrays, shapes
-
-
-def array_target(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
 
 
 def build_meta(

@@ -123,7 +123,3 @@ def unpad(x: jax.Array, layout: LeafLayout) -> jax.Array:
     if not layout.pad:
         return x
     return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=layout.axis(x))
-
-
-def is_layout(x: Any) -> bool:
-    return isinstance(x, LeafLayout)
