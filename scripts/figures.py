@@ -307,6 +307,80 @@ def table2_gpu_md(t2: dict[str, Any] | None) -> str:
     return body + ("\n\n```text\n" + "\n".join(verdicts) + "\n```" if verdicts else "")
 
 
+def gpu_plans_md(plans: dict[str, Any] | None) -> str:
+    """The plans for GPUs that are not here (``scripts/plan_gpu.py``): per plan its target,
+    the chosen configuration, its compiled peak against the budget, the next-larger
+    micro-batch's, the collective bytes, the compiles and the time and host memory taken."""
+    if plans is None:
+        return (
+            "No `benchmarks/gpu_plans.json` is committed yet: `JAX_PLATFORMS=cpu python "
+            "scripts/plan_gpu.py --out benchmarks/gpu_plans.json` writes it."
+        )
+    gb = lambda b: "-" if b is None else f"{b / 1e9:,.2f}"
+    rows = [
+        (
+            "plan",
+            "model",
+            "GPUs",
+            "chosen",
+            "per GPU at a time",
+            "peak GB",
+            "budget GB",
+            "next-larger micro-batch GB",
+            "sent per GPU per step GB",
+            "compiled",
+            "minutes",
+            "host peak GB",
+        )
+    ]
+    for p in plans["plans"]:
+        model = f"{p['params'] / 1e9:.2f} B"
+        if p["kind"] == "user_step":
+            rows.append(
+                (
+                    f"`{p['name']}`",
+                    model,
+                    p["target"],
+                    "own jit step, stage 3",
+                    f"{p['micro_batch']} x {p['seq_len']}",
+                    gb(p["device_bytes"]),
+                    "",
+                    "",
+                    gb(p["collective_bytes"]),
+                    "1",
+                    f"{p['wall_seconds'] / 60:.1f}",
+                    gb(p["peak_rss_bytes"]),
+                )
+            )
+            continue
+        s = p["search"]
+        chosen = next(r for r in s["rows"] if r["name"] == s["chosen"])
+        larger = s["larger"] or {}
+        rows.append(
+            (
+                f"`{p['name']}`",
+                model,
+                p["target"],
+                f"`{chosen['name']}`",
+                f"{chosen['micro_batch']} x {p['seq_len']}",
+                gb(chosen["device_bytes"]),
+                gb(s["device_budget"]),
+                gb(larger.get("device_bytes")),
+                gb(chosen["collective_bytes"]),
+                str(s["compiled"]),
+                f"{p['wall_seconds'] / 60:.1f}",
+                gb(p["peak_rss_bytes"]),
+            )
+        )
+    head = (
+        f"{plans['model']}; compiled by jax {plans['jax']}'s XLA:GPU for compile-only "
+        "GPUs on 2 CPU cores, each plan in a process of its own. GB = 1e9 bytes; peak: "
+        "the compiled step's device memory per GPU; host peak: the planning process's "
+        "resident memory."
+    )
+    return head + "\n\n" + _md_table(rows)
+
+
 def gpu_compile_md(gc: dict[str, Any] | None) -> str:
     """The example GPT's steps compiled for compile-only H200s (``scripts/gpu_compile.py``):
     per program its temporaries, elements sent against the paper's volume, what it
@@ -799,6 +873,7 @@ def generate(out: Path) -> list[Path]:
         "max_model.md": max_model_md(mm),
         "table2_gpu.md": table2_gpu_md(_read(BENCH / "table2_gpu.json")),
         "gpu_compile.md": gpu_compile_md(_read(BENCH / "gpu_compile_h200.json")),
+        "gpu_plans.md": gpu_plans_md(_read(BENCH / "gpu_plans.json")),
         "compile_time.md": compile_time_md(
             [_read(BENCH / "compile_time_cpu8.json"), _read(BENCH / "compile_time_h200.json")]
         ),
