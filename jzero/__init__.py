@@ -28,7 +28,6 @@ from .core.gpu_target import gpu_mesh as gpu_mesh
 from .core.leaf_layout import LeafLayout as LeafLayout
 from .core.mesh import data_mesh as data_mesh
 from .core.mesh import hybrid_mesh as hybrid_mesh
-from .core.optimizer import ZeroOptimizer as ZeroOptimizer
 from .core.options.communication import Communication as Communication
 from .core.options.layout import Layout as Layout
 from .core.options.offload import Offload as Offload
@@ -37,9 +36,10 @@ from .core.options.step import StepOptions as StepOptions
 from .core.options.zero_config import ZeroConfig as ZeroConfig
 from .core.plan import Plan as Plan
 from .core.plan import ZeroState as ZeroState
-from .core.user_step.placement import shard_params as shard_params
-from .core.user_step.transformation import MasterWeightsState as MasterWeightsState
-from .core.user_step.transformation import shard_optimizer as shard_optimizer
 from .core.weighted import Weighted as Weighted
+from .optimizers.user_step.placement import shard_params as shard_params
+from .optimizers.user_step.transformation import MasterWeightsState as MasterWeightsState
+from .optimizers.user_step.transformation import shard_optimizer as shard_optimizer
+from .optimizers.zero_optimizer import ZeroOptimizer as ZeroOptimizer
 
 __version__ = "0.1.0"

@@ -150,7 +150,7 @@ def _compiled_for(mesh: Any, run: str, *, layers: int, d: int, batch: int) -> di
     from jax.sharding import PartitionSpec as P
 
     import jzero
-    from jzero.core.user_step.placement import resting_specs
+    from jzero.optimizers.user_step.placement import resting_specs
 
     tx = optax.adam(1e-3)
     init = lambda: init_params(jax.random.key(0), layers=layers, d=d)

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jzero  # noqa: E402
 from jzero.accounting.hlo import collectives  # noqa: E402
 from jzero.accounting.schedule import collective_overlap  # noqa: E402
-from jzero.core.user_step.placement import resting_specs  # noqa: E402
+from jzero.optimizers.user_step.placement import resting_specs  # noqa: E402
 
 L = 4
 CFG = gpt.GPTConfig(seq_len=128, d_model=512, n_heads=8, n_layers=L, dtype=jnp.bfloat16)

@@ -22,7 +22,7 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
     tests/internal/test_versions.py tests/internal/test_jax_internals.py \
     tests/core/test_moved_internals.py tests/accounting/test_hlo_stages.py \
-    tests/core/user_step/test_user_step_inputs.py tests/core/user_step/test_user_step_is_zero.py \
+    tests/optimizers/user_step/test_user_step_inputs.py tests/optimizers/user_step/test_user_step_is_zero.py \
     "tests/core/test_parity.py::test_matches_single_device_optax[2-adafactor]" \
     "tests/core/test_parity.py::test_matches_single_device_optax[3-adamw]" \
     "tests/core/offload/test_offload_host_step.py::test_host_step_places_the_state_on_host_and_matches_the_device_run[3-clip_adamw]" \
@@ -35,11 +35,11 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/checkpoint/test_checkpoint.py::test_resume_equals_uninterrupted_bitwise[precision1]" \
     "tests/adapters/test_flax.py::test_linen_matches_single_device[3]" \
     "tests/adapters/test_flax.py::test_nnx_matches_single_device[3]" tests/core/gpu_target \
-    "tests/core/user_step/test_drop_in_inputs.py::test_lbfgs_line_search_takes_the_loss_function_as_an_extra_argument[jit-3]" \
-    "tests/core/user_step/test_drop_in_inputs.py::test_a_typed_key_in_the_state_of_jzeros_own_step[3]" \
-    "tests/core/user_step/test_drop_in_inputs.py::test_complex_parameters_in_the_users_step[2]" \
-    "tests/core/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[3-options3]" \
-    "tests/core/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[2-options4]" \
+    "tests/optimizers/user_step/test_drop_in_inputs.py::test_lbfgs_line_search_takes_the_loss_function_as_an_extra_argument[jit-3]" \
+    "tests/optimizers/user_step/test_drop_in_inputs.py::test_a_typed_key_in_the_state_of_jzeros_own_step[3]" \
+    "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_the_users_step[2]" \
+    "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[3-options3]" \
+    "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[2-options4]" \
     tests/checkpoint/test_typed_key_state.py "$@"
 # test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
 # minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.

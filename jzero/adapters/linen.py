@@ -27,10 +27,10 @@ from flax import struct
 from jax.sharding import Mesh
 
 from ..core.mesh import fit_specs
-from ..core.optimizer import ZeroOptimizer
 from ..core.options.step import StepOptions, step_options
 from ..core.options.zero_config import ZeroConfig, zero_config
 from ..core.plan import ZeroState
+from ..optimizers.zero_optimizer import ZeroOptimizer
 from .linen_layers import by_layer, layer_classes
 from .shared import AdapterStep, adapter_optimizer, adapter_options
 from .specs import linen_specs

@@ -35,10 +35,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from ..core.mesh import fit_specs
-from ..core.optimizer import ZeroOptimizer
 from ..core.options.step import StepOptions, step_options
 from ..core.options.zero_config import ZeroConfig, zero_config
 from ..core.plan import ZeroState
+from ..optimizers.zero_optimizer import ZeroOptimizer
 from .nnx_layers import by_layer, check_layers, layer_classes
 from .nnx_remat import gathered as gathered
 from .nnx_remat import is_sharded, split

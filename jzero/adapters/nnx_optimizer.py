@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from ..core.mesh import fit_specs
 from ..core.options.layout import Layout
 from ..core.options.zero_config import ZeroConfig, zero_config
-from ..core.user_step.placement import shard_params
-from ..core.user_step.transformation import shard_optimizer
+from ..optimizers.user_step.placement import shard_params
+from ..optimizers.user_step.transformation import shard_optimizer
 from .specs import nnx_specs
 
 

@@ -9,11 +9,11 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from ..core.optimizer import ZeroOptimizer
 from ..core.options.step import StepOptions
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import ZeroState
 from ..core.train_step import Metrics, TrainStep
+from ..optimizers.zero_optimizer import ZeroOptimizer
 
 
 class AdapterStep:

@@ -50,9 +50,9 @@ from .._table import table
 from ..accounting import memory_spaces
 from ..accounting.estimate import estimate
 from ..accounting.hlo import collectives, comm_bytes, dot_flops, launches
-from ..core.optimizer import ZeroOptimizer
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import Plan
+from ..optimizers.zero_optimizer import ZeroOptimizer
 from .candidates import (
     Shape,
     accumulations,

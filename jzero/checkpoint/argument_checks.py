@@ -9,8 +9,8 @@ from typing import Any
 import optax
 
 from ..core.input_checks import check_leaves
-from ..core.optimizer import ZeroOptimizer
 from ..core.plan import ZeroState
+from ..optimizers.zero_optimizer import ZeroOptimizer
 
 
 def check_optimizer(opt: Any, what: str) -> None:

@@ -31,9 +31,9 @@ import orbax.checkpoint as ocp
 
 from ..core.checksum import checksums
 from ..core.input_checks import check_live
-from ..core.optimizer import ZeroOptimizer
 from ..core.plan import ZeroState
 from ..core.stored_form import state_shardings
+from ..optimizers.zero_optimizer import ZeroOptimizer
 from .argument_checks import check_extra, check_like, check_optimizer
 from .errors import (
     CheckpointError,

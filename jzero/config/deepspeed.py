@@ -21,13 +21,13 @@ from typing import Any, NamedTuple
 import optax
 from jax.sharding import Mesh
 
-from ..core.optimizer import ZeroOptimizer
 from ..core.options.communication import Communication
 from ..core.options.layout import Layout
 from ..core.options.offload import Offload
 from ..core.options.precision import Precision
 from ..core.options.step import StepOptions
 from ..core.options.zero_config import Stage, ZeroConfig
+from ..optimizers.zero_optimizer import ZeroOptimizer
 from .auto import fill_auto
 from .findings import Findings
 from .fp16_bf16 import COMMUNICATION, read_precision

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA = "data"
@@ -166,3 +167,51 @@ def fit_specs(params: Any, specs: Any, mesh: Mesh, *, drop_data: bool = True) ->
             entries.append(axes[0] if len(axes) == 1 else (axes or None))
         out.append(P(*entries))
     return jax.tree.unflatten(jax.tree.structure(params), out)
+
+
+# Stage 3 in the user's own step: parameters gathered where the loss uses them. Given only
+# the parameters' sharded layout, the partitioner may keep a weight sharded and reshard the
+# activations around it instead; constraining each layer's parameters whole where it uses
+# them makes it gather them, one layer at a time inside a scan: ZeRO-3's schedule.
+
+
+def _in_manual_data() -> bool:
+    """Inside a ``shard_map`` over ``data`` (jzero's own step): arrays are local already."""
+    return DATA in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def whole_over_data(tree: Any, mesh: Mesh) -> Any:
+    """``tree``'s arrays constrained whole (replicated) on ``mesh``, which may have no axes
+    of size > 1 but ``data`` and ``replica``; inside jzero's own ``shard_map``, as they are."""
+    others = {a: n for a, n in mesh.shape.items() if a not in (DATA, REPLICA) and n > 1}
+    if others:
+        raise ValueError(
+            f"jzero.gather(..., mesh=) makes each leaf whole on the mesh, but the mesh has the "
+            f"axes {others} besides 'data': that would gather them too. Constrain each leaf "
+            "yourself to its spec without 'data', e.g. jax.lax.with_sharding_constraint(w, "
+            "NamedSharding(mesh, P(None, 'model')))."
+        )
+    if _in_manual_data():
+        return tree
+    whole = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: _whole(x, whole), tree)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _whole(x: jax.Array, whole: NamedSharding) -> jax.Array:
+    """``x`` constrained whole, its cotangent left unconstrained: the compiler reduces it
+    onto the gradient's own layout (a reduce-scatter where the optimizer constrains it onto
+    its shards, inside the loop step that computes it), where the constraint's transpose
+    would constrain it whole (an all-reduce of every layer's gradient)."""
+    return jax.lax.with_sharding_constraint(x, whole)
+
+
+def _whole_fwd(x, whole):
+    return _whole(x, whole), None
+
+
+def _whole_bwd(whole, _, ct):
+    return (ct,)
+
+
+_whole.defvjp(_whole_fwd, _whole_bwd)

@@ -2,7 +2,7 @@
 Variables that are JAX values themselves, not pytrees of arrays. The same model and steps
 as ``nnx.Optimizer``'s, eager (Flax 0.12's own hijax examples do not run under ``jax.jit``
 on this JAX: "DynamicJaxprTracer has no attribute mutable"), at stages 1-3; fp32 parity to
-rtol 1e-6, as ``tests/core/user_step/test_user_step_parity.py``.
+rtol 1e-6, as ``tests/optimizers/user_step/test_user_step_parity.py``.
 """
 
 from __future__ import annotations

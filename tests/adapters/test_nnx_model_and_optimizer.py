@@ -1,6 +1,6 @@
 """``jzero.nnx.ModelAndOptimizer`` steps as Flax's (deprecated, still shipped)
 ``nnx.ModelAndOptimizer``: ``update(grads)`` with the model held; fp32 parity to rtol 1e-6
-at stages 1-3, as ``tests/core/user_step/test_user_step_parity.py``."""
+at stages 1-3, as ``tests/optimizers/user_step/test_user_step_parity.py``."""
 
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ def test_state_from_another_optax_transformation():
     ],
 )
 def test_complex_parameters_where_a_path_is_real_only(option, config):
-    """Complex leaves train at every stage (tests/core/user_step/test_drop_in_inputs.py);
+    """Complex leaves train at every stage (tests/optimizers/user_step/test_drop_in_inputs.py);
     the quantized collectives and hpZ's gather take real numbers only, and say so."""
     params = {"w": np.ones((8, 2), np.complex64)}
     opt = jzero.ZeroOptimizer(optax.sgd(0.1), jzero.data_mesh(), **{"stage": 2, **config})

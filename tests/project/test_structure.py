@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -68,16 +69,56 @@ def test_no_import_cycle():
     assert cycles == []
 
 
-def test_step_does_not_import_the_optimizer():
+def test_the_core_imports_nothing_above_it():
+    """The core knows nothing of the optimizers users hold (``jzero.optimizers``), the
+    adapters, the checkpointer, the accounting or the CLI: they ask it for plans and steps."""
     graph = _imports()
-    assert "jzero.core.optimizer" not in graph["jzero.core.train_step"]
-    assert "jzero.core.optimizer" not in graph["jzero.core.stored_form"]
-    # the core knows nothing of the adapters, the accounting or the CLI
+    assert "jzero.optimizers.zero_optimizer" in graph and "jzero.core.planning" in graph
+    assert "jzero.core.planning" in graph["jzero.optimizers.zero_optimizer"]
     for module, deps in graph.items():
         if module.startswith("jzero.core"):
             allowed = ("jzero.core", "jzero._table", "jzero.internal")
             outside = {d for d in deps if not d.startswith(allowed)}
             assert outside == set(), module
+
+
+def _package(token: str) -> str | None:
+    """A package as jzero/README.md's table names it: ``jzero``, ``jzero.cli``, ``core``,
+    ``__main__`` (``__init__.py`` names none)."""
+    if token.endswith(".py"):
+        return None
+    return token if token == "jzero" or token.startswith("jzero.") else f"jzero.{token}"
+
+
+def _allowed() -> dict[str, set[str]]:
+    """jzero/README.md's table: ``{package: the packages it may import}`` (``{"*"}``:
+    any)."""
+    names = lambda cell: {p for t in re.findall(r"`([\w.]+)`", cell) if (p := _package(t))}
+    table = {}
+    for line in (PACKAGE / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        may = {"*"} if "every package below" in cells[2] else names(cells[2])
+        row = names(cells[0])  # packages of one row may import each other
+        table |= {package: may | row for package in row}
+    return table
+
+
+def test_every_package_imports_only_what_its_readme_row_names():
+    graph, allowed = _imports(), _allowed()
+    top = lambda module: ".".join(module.split(".")[:2])
+    assert {"jzero.core", "jzero.optimizers", "jzero.internal"} <= set(allowed)
+    found = {}
+    for module, deps in graph.items():
+        package = top(module)
+        assert package in allowed, f"{package} has no row in jzero/README.md"
+        if "*" in allowed[package]:
+            continue
+        outside = {top(d) for d in deps} - allowed[package] - {package}
+        if outside:
+            found[module] = sorted(outside)
+    assert found == {}, f"imports that jzero/README.md does not allow: {found}"
 
 
 INTERNAL = "jzero.internal"

@@ -95,7 +95,7 @@ _ALL = os.environ.get("JZERO_PEER_VARIANTS") == "all"
 VARIANTS = tuple(Variant(s, n) for n in ((2, 8) if _ALL else (2,)) for s in (1, 2, 3))
 
 # In the user's own step stages 1 and 2 are one program (the same shards; asserted by
-# tests/core/user_step/test_user_step_is_zero.py), so in CI Optax's 623 tests run at
+# tests/optimizers/user_step/test_user_step_is_zero.py), so in CI Optax's 623 tests run at
 # stages 1 and 3 (about 2.3 minutes a variant on 2 cores); Flax's 39 at all three.
 SKIPPED_IN_CI = {"optax_alias": (2,)}
 

@@ -23,10 +23,9 @@ from jax.sharding import Mesh
 
 from ...internal.primitives import varying_axes
 from ..leaf_layout import LeafLayout
-from ..mesh import DATA
+from ..mesh import DATA, whole_over_data
 from ..options.communication import Quant
 from ..options.zero_config import ZeroConfig
-from ..user_step.gather import whole_over_data
 from .buckets import all_gather_flat, flat_shards, leaves_of_rows
 from .collectives import GATHERED, all_gather, on_device
 from .hpz import SECONDARY, gather_group, gather_secondary
@@ -297,7 +296,7 @@ def gather(tree: Any, *, mesh: Mesh | None = None) -> Any:
     In your own ``jit`` step at stage 3 (:func:`jzero.shard_optimizer`), pass the ``mesh``:
     plain arrays are then constrained whole where the layer uses them, so the compiler
     gathers the layer's parameters instead of resharding its activations
-    (:mod:`jzero.core.user_step.gather`). The mesh may have no other axes than ``data`` and
+    (:func:`jzero.core.mesh.whole_over_data`). The mesh may have no other axes than ``data`` and
     ``replica``; inside jzero's own step ``mesh`` changes nothing.
 
     Examples:

@@ -11,11 +11,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..gpu_target.compile_only import check_runnable
-from ..input_checks import article, check_leaves
-from ..optimizer import ZeroOptimizer
-from ..options.layout import Layout
-from ..options.zero_config import ZeroConfig
+from ...core.gpu_target.compile_only import check_runnable
+from ...core.input_checks import article, check_leaves
+from ...core.options.layout import Layout
+from ...core.options.zero_config import ZeroConfig
+from ...core.planning import plan_for
 from .layout import user_layout
 
 
@@ -42,8 +42,8 @@ def _cached_specs(treedef, leaves: tuple, mesh: Mesh, layout: Layout | None, sta
 
 def _plan_specs(shapes: Any, mesh: Mesh, layout: Layout | None, stage: int) -> Any:
     config = ZeroConfig(stage=stage, layout=layout or Layout())
-    opt = ZeroOptimizer(optax.identity(), mesh, config=config)
-    return user_layout(opt, shapes).params
+    config.check(mesh)
+    return user_layout(plan_for(optax.identity(), mesh, config, shapes)).params
 
 
 def shard_params(params: Any, mesh: Mesh, *, layout: Layout | None = None, stage: int = 3) -> Any:

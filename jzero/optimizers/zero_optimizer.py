@@ -1,10 +1,11 @@
 """``ZeroOptimizer``: the front users hold -- a configuration, and four calls into the core.
 
-It holds one :class:`.options.zero_config.ZeroConfig` (given, or gathered from its keyword
-arguments), checks it against the mesh and makes the :class:`Plan` for a parameter tree;
-init and export go to :mod:`.stored_form` with that plan, and ``train_step`` hands
-``(loss_fn, config, tx, mesh)`` to :func:`.train_step.make_train_step`, whose step reads
-placement from ``state.plan`` alone. Nothing in the core calls back into this class.
+It holds one :class:`jzero.ZeroConfig` (given, or gathered from its keyword arguments),
+checks it against the mesh and asks the core for the :class:`Plan` of a parameter tree
+(:func:`jzero.core.planning.plan_for`); init and export go to
+:mod:`jzero.core.stored_form` with that plan, and ``train_step`` hands ``(loss_fn, config,
+tx, mesh)`` to :func:`jzero.core.train_step.make_train_step`, whose step reads placement
+from ``state.plan`` alone. Nothing in the core imports this class.
 """
 
 from __future__ import annotations
@@ -17,23 +18,21 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ..internal.primitives import warn_missing_primitives
-from .boxed import box_specs, has_boxes
-from .gpu_target.compile_only import check_offload_target, check_runnable
-from .input_checks import (
-    check_complex,
+from ..core.gpu_target.compile_only import check_offload_target, check_runnable
+from ..core.input_checks import (
     check_leaves,
     check_same_on_every_process,
     check_same_tree,
     check_state,
 )
-from .mesh import REPLICA, fit_specs
-from .options.step import StepOptions, step_options
-from .options.zero_config import ZeroConfig, zero_config
-from .plan import Plan, ZeroState, make_plan, param_owners
-from .rules import logical_to_mesh
-from .stored_form import full_params, full_state, init_program
-from .train_step import TrainStep, make_train_step
+from ..core.mesh import REPLICA
+from ..core.options.step import StepOptions, step_options
+from ..core.options.zero_config import ZeroConfig, zero_config
+from ..core.plan import Plan, ZeroState
+from ..core.planning import plan_for
+from ..core.stored_form import full_params, full_state, init_program
+from ..core.train_step import TrainStep, make_train_step
+from ..internal.primitives import warn_missing_primitives
 
 
 class ZeroOptimizer:
@@ -123,54 +122,7 @@ class ZeroOptimizer:
         ``print(opt.plan(params).describe())`` shows, per leaf, its shard dimension, stored
         (padded) shape and ``PartitionSpec``.
         """
-        check_leaves(params, "params", allow_empty=False)
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        opt_state = jax.eval_shape(self.tx.init, self.precision.cast(shapes, "float32"))
-        check_leaves(opt_state, "optimizer state")
-        check_complex(shapes, opt_state, self.config)
-        return make_plan(
-            mesh=self.mesh,
-            config=self.config,
-            params=shapes,
-            opt_state=opt_state,
-            user_specs=self._user_specs(shapes),
-            owners=param_owners(self.tx, jax.tree.structure(shapes), opt_state),
-        )
-
-    def _user_specs(self, shapes: Any) -> Any:
-        if self.param_specs is None and self.rules is not None:
-            return self._box_specs(shapes)
-        if self.param_specs is None:
-            return jax.tree.map(lambda _: P(), shapes)
-        try:
-            jax.tree.broadcast(self.param_specs, shapes, is_leaf=lambda x: isinstance(x, P))
-        except ValueError as e:
-            raise ValueError(
-                f"param_specs does not match the parameter tree ({e}); give a PartitionSpec "
-                "per parameter leaf, or a prefix of the tree."
-            ) from None
-        specs = self.param_specs
-        if self.rules is not None:
-            specs = logical_to_mesh(specs, self.rules)
-        return fit_specs(shapes, specs, self.mesh, drop_data=False)
-
-    def _box_specs(self, shapes: Any) -> Any:
-        """``rules=`` without ``param_specs=``: the specs Flax's metadata on the (boxed)
-        parameters gives under the rules; parameters without any are refused."""
-        if not has_boxes(shapes):
-            raise ValueError(
-                "rules= maps logical axis names to mesh axes, but there are none to map: "
-                "param_specs= is not given and the parameters carry no Flax partitioning "
-                "metadata (they are unboxed), so the rules would change nothing. Pass the "
-                "boxed parameters as model.init returns them (variables['params'], not "
-                "nn.unbox(...)), or param_specs= naming logical axes, e.g. "
-                "nn.get_partition_spec(variables['params']); or use "
-                "jzero.linen.TrainState.create(..., rules=) / jzero.nnx.TrainState.create, "
-                "which read the metadata. Without logical names, drop rules=."
-            )
-        specs = box_specs(shapes, rules=self.rules, mesh=self.mesh)
-        specs = jax.tree.unflatten(jax.tree.structure(shapes), specs)
-        return fit_specs(shapes, specs, self.mesh)
+        return plan_for(self.tx, self.mesh, self.config, params)
 
     def init(
         self,

@@ -15,9 +15,8 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ..mesh import DATA
-from ..optimizer import ZeroOptimizer
-from ..plan import Stored
+from ...core.mesh import DATA
+from ...core.plan import Plan, Stored
 
 
 class UserLayout(NamedTuple):
@@ -47,10 +46,8 @@ def _true(stored: Stored, partitioned: bool, n: int) -> P:
     return P(*entries)
 
 
-def user_layout(opt: ZeroOptimizer, shapes: Any) -> UserLayout:
-    """The specs of ``shapes`` (parameter ``jax.ShapeDtypeStruct`` s) under ``opt``'s stage
-    and layout options."""
-    plan = opt.plan(shapes)
+def user_layout(plan: Plan) -> UserLayout:
+    """The specs of ``plan``'s parameters, state and master weights, in true shapes."""
     n = plan.data_size
     tree = lambda treedef, specs: jax.tree.unflatten(treedef, list(specs))
     params = tree(plan.params_def, (_true(s, s.partitioned, n) for s in plan.params))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..options.communication import Communication
-from ..options.step import StepOptions
-from ..options.zero_config import ZeroConfig
+from ...core.options.communication import Communication
+from ...core.options.step import StepOptions
+from ...core.options.zero_config import ZeroConfig
 
 OWN_STEP = "jzero.ZeroOptimizer(tx, mesh, ...).train_step(loss_fn)"
 

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ..mesh import DATA
+from ...core.mesh import DATA
 
 
 def _data_dim(spec: P) -> int | None:

@@ -23,12 +23,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from ...core.axis_types import compute_mesh, on_compute_mesh, typed
+from ...core.gpu_target.compile_only import check_runnable
+from ...core.input_checks import check_leaves
+from ...core.options.zero_config import ZeroConfig, zero_config
 from ...internal.optax_private import is_params_placeholder
-from ..axis_types import compute_mesh, on_compute_mesh, typed
-from ..gpu_target.compile_only import check_runnable
-from ..input_checks import check_leaves
-from ..optimizer import ZeroOptimizer
-from ..options.zero_config import ZeroConfig, zero_config
+from ..zero_optimizer import ZeroOptimizer
 from .layout import UserLayout, user_layout
 from .manual_reshard import reshard
 from .placement import check_placed, onto_mesh
@@ -101,7 +101,7 @@ class _ShardedTransformation:
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
         key = (jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)))
         if key not in self.layouts:
-            self.layouts[key] = user_layout(self.opt, shapes)
+            self.layouts[key] = user_layout(self.opt.plan(shapes))
         return self.layouts[key]
 
     def _on_twin(self, tree: Any, specs: Any) -> Any:
