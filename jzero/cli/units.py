@@ -21,6 +21,14 @@ MIN_BARE_BYTES = 2**20
 """A memory size without a unit below this (1 MiB) is refused as a forgotten unit."""
 
 
+def _matched(pattern: re.Pattern, text: str, what: str, forms: str) -> re.Match:
+    """``pattern``'s full match of ``text``; a ``ValueError`` naming the forms otherwise."""
+    m = pattern.fullmatch(text)
+    if m is None:
+        raise ValueError(f"cannot parse {what} {text!r}: write {forms}.")
+    return m
+
+
 def parse_params(text: str) -> float:
     """A parameter count: a number (``7.5e9``) or one with a K/M/B/T suffix (``7.5B``).
 
@@ -34,12 +42,8 @@ def parse_params(text: str) -> float:
         >>> parse_params("7.5B"), parse_params("350m"), parse_params("1.2e9")
         (7500000000.0, 350000000.0, 1200000000.0)
     """
-    m = _PARAMS.fullmatch(text)
-    if m is None:
-        raise ValueError(
-            f"cannot parse parameter count {text!r}: write a number (7.5e9) or one with a "
-            "K, M, B or T suffix (125K, 350M, 7.5B, 1.2T)."
-        )
+    forms = "a number (7.5e9) or one with a K, M, B or T suffix (125K, 350M, 7.5B, 1.2T)"
+    m = _matched(_PARAMS, text, "parameter count", forms)
     power = dict(_PARAM_SCALES).get(m[2].upper(), 0)
     return float(Decimal(m[1]).scaleb(power))
 
@@ -60,12 +64,8 @@ def parse_bytes(text: str) -> float:
         >>> parse_bytes("80GB"), parse_bytes("1 KiB"), parse_bytes("80e9")
         (80000000000.0, 1024.0, 80000000000.0)
     """
-    m = _BYTES.fullmatch(text)
-    if m is None:
-        raise ValueError(
-            f"cannot parse memory size {text!r}: write a number with a unit (80GB, 80GiB, "
-            "512MB, 64KiB) or bytes (80e9)."
-        )
+    forms = "a number with a unit (80GB, 80GiB, 512MB, 64KiB) or bytes (80e9)"
+    m = _matched(_BYTES, text, "memory size", forms)
     number, prefix, binary, byte_unit = m.groups()
     value = Decimal(number)
     if prefix:

@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from .grad_reduction import Gradients
@@ -27,25 +26,13 @@ from .options.precision import Precision
 from .options.zero_config import ZeroConfig
 from .plan import Plan
 from .stored_form import constrain, store, to_device, view
+from .update_inputs import UpdateInputs, keep_if_finite
 
 
 class UpdateFn(Protocol):
-    """What each strategy runs: the Optax update of one step, in the global view.
+    """What each strategy runs: one step's Optax update (:class:`UpdateInputs`)."""
 
-    ``weights`` are the stored fp32 master weights, or the stored parameters without them;
-    ``finite`` (or None) says whether to apply the update or keep the old values.
-    """
-
-    def __call__(
-        self,
-        tx: optax.GradientTransformation,
-        precision: Precision,
-        plan: Plan,
-        grads: Gradients,
-        opt_state: Any,
-        weights: Any,
-        finite: jax.Array | None,
-    ) -> tuple[Any, Any, Any]: ...
+    def __call__(self, step: UpdateInputs) -> tuple[Any, Any, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +48,9 @@ class Updater:
     precision: Precision
 
     def __call__(self, plan: Plan, grads: Gradients, opt_state: Any, weights: Any, finite):
-        return self.run(self.tx, self.precision, plan, grads, opt_state, weights, finite)
+        return self.run(
+            UpdateInputs(self.tx, self.precision, plan, grads, opt_state, weights, finite)
+        )
 
     def before(self, metric: Any, opt_state: Any) -> tuple[Any, Any]:
         """``(metric, opt_state)``, the metric computed before the update reads the state.
@@ -85,25 +74,16 @@ def make_updater(tx: optax.GradientTransformation, config: ZeroConfig) -> Update
     return Updater("device", device_update, tx, precision)
 
 
-def device_update(
-    tx: optax.GradientTransformation,
-    precision: Precision,
-    plan: Plan,
-    grads: Gradients,
-    opt_state: Any,
-    weights: Any,
-    finite: jax.Array | None,
-) -> tuple[Any, Any, Any]:
+def device_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
     """The Optax update with the state on the device (:class:`UpdateFn`)."""
+    tx, precision, plan, grads, opt_state, weights, finite = step
     stored = plan.master if plan.master is not None else plan.params
     old = view(to_device(plan, weights, stored), stored)
     old_state = view(opt_state, plan.opt)
     updates, opt_state = tx.update(grads.averaged, old_state, old)
     master = optax.apply_updates(old, updates)
-    if finite is not None:  # the old values where the step is skipped
-        keep = lambda new, old: jnp.where(finite, new, old)
-        master = jax.tree.map(keep, master, old)
-        opt_state = jax.tree.map(keep, opt_state, old_state)
+    master = keep_if_finite(finite, master, old)  # the old values where the step is skipped
+    opt_state = keep_if_finite(finite, opt_state, old_state)
     opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
     params = precision.cast(master)
     if plan.master is None:

@@ -48,10 +48,10 @@ state per GPU link (one GPU, large model), the host step moves about 6x less.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from ...internal import interpret
@@ -66,33 +66,16 @@ from ..options.offload import HOST
 from ..options.precision import Precision
 from ..plan import Plan, Stored
 from ..stored_form import store, to_device, to_host, view
+from ..update_inputs import UpdateInputs, keep_if_finite
 from .split import Bucket, Split, evaluate, split_update
 
 
-def host_update(
-    tx: optax.GradientTransformation,
-    precision: Precision,
-    plan: Plan,
-    grads: Gradients,
-    opt_state: Any,
-    weights: Any,
-    finite: jax.Array | None,
-) -> tuple[Any, Any, Any]:
-    """The Optax update run on the host, one parameter leaf at a time.
-
-    Args:
-        grads: the step's gradients (:class:`Gradients`).
-        opt_state: the stored Optax state (host memory).
-        weights: the stored fp32 master weights (host memory), or the stored fp32
-            parameters when there are no master weights (device memory: copied down).
-        finite: where False the old state is kept (non-finite gradients under loss
-            scaling, an invalid count); None: always updated.
-
-    Returns:
-        ``(params, opt_state, master)``: the new parameters (true shapes, parameter dtype,
-        device memory), the stored new Optax state and master weights (host memory; master
-        None without master weights).
-    """
+def host_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
+    """The Optax update run on the host, one parameter leaf at a time
+    (:class:`UpdateInputs`): the stored Optax state and master weights in host memory
+    (parameters without master weights are copied down from the device), the new state
+    and master weights returned there."""
+    tx, precision, plan, grads, opt_state, weights, finite = step
     split = split_update(tx, plan)
     o, w, n = jax.tree.leaves(opt_state), jax.tree.leaves(weights), len(plan.params)
     env, shared = _global_part(split, plan, grads, o, finite)
@@ -149,7 +132,7 @@ def _device_bucket(split, b, plan, precision, env, sources, finite) -> tuple[lis
     program returns them, from the averaged gradients already in ``env``."""
     (o, w), ins = sources, inputs(split.jaxpr)
     n, m, weights = len(plan.params), len(plan.opt), plan.master or plan.params
-    keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
+    keep = functools.partial(keep_if_finite, finite)
     for j in b.opt:
         env[ins[n + j]] = view([o[j]], [plan.opt[j]])[0]
     for i in b.params:
@@ -185,7 +168,7 @@ def _global_part(
     here = lambda j: view(to_device(plan, [o[j]], [plan.opt[j]]), [plan.opt[j]])[0]
     env |= {ins[n + j]: here(j) for j in split.shared}
     evaluate(split, split.first, env)
-    keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
+    keep = functools.partial(keep_if_finite, finite)
     shared = {}
     for j in split.shared:
         new = keep(read(env, outs[n + j]), env[ins[n + j]])
@@ -260,7 +243,7 @@ def _bucket_program(
     weights: tuple[Stored, ...] = plan.master or plan.params
 
     def update(reduced, opt, w, values, denominator, finite):
-        keep = lambda new, old: jnp.where(finite, new, old) if guarded else new
+        keep = functools.partial(keep_if_finite, finite if guarded else None)
         env = dict(zip(free, values))
         for i, g in zip(bucket.params, reduced):  # as the step averages them on the device
             env[ins[i]] = averaged(g, denominator, plan.params[i].layout)

@@ -25,6 +25,7 @@ this module is tested for placement and numerics, not memory.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -34,11 +35,10 @@ import optax
 from ...internal.equation import environment, inputs, outputs
 from ...internal.interpret import value as read
 from ..grad_average import averaged
-from ..grad_reduction import Gradients
 from ..leaf_layout import LeafLayout
-from ..options.precision import Precision
 from ..plan import Plan, Stored
 from ..stored_form import store, to_device, to_host, view
+from ..update_inputs import UpdateInputs, keep_if_finite
 from . import chunks
 from .chunks import Cut
 from .split import Bucket, Split, evaluate, split_update
@@ -46,34 +46,14 @@ from .split import Bucket, Split, evaluate, split_update
 _IN_FLIGHT = 2  # buckets whose state may be on the device at once
 
 
-def offloaded_update(
-    tx: optax.GradientTransformation,
-    precision: Precision,
-    plan: Plan,
-    grads: Gradients,
-    opt_state: Any,
-    weights: Any,
-    finite: jax.Array | None,
-) -> tuple[Any, Any, Any]:
-    """The Optax update with the state streamed through the device, piece by piece.
-
-    Args:
-        grads: the gradients, reduced and averaged (fp32, true shapes), on the device. A
-            chunked piece reads its chunk of the reduced sums and averages that
-            (:class:`_Averaged`), so the averaged leaf is not held whole beside them.
-        opt_state: the stored Optax state (host memory; device memory when only the
-            parameters are offloaded).
-        weights: the stored fp32 master weights (host memory), or the stored fp32
-            parameters when there are no master weights (device memory, or host memory
-            with ``Offload(params=True)``).
-        finite: with dynamic loss scaling, whether the gradients are finite (else the old
-            state is kept); None otherwise.
-
-    Returns:
-        ``(params, opt_state, master)``: the new parameters (true shapes, parameter dtype,
-        device memory), the stored new Optax state and master weights (host memory; master
-        None without master weights).
-    """
+def offloaded_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
+    """The Optax update with the state streamed through the device, piece by piece
+    (:class:`UpdateInputs`): the stored Optax state and master weights rest in host memory
+    (the state on the device when only the parameters are offloaded; the weights in host
+    memory with ``Offload(params=True)``). A chunked piece reads its chunk of the reduced
+    sums and averages that (:class:`_Averaged`), so the averaged leaf is not held whole
+    beside them."""
+    tx, precision, plan, grads, opt_state, weights, finite = step
     split = split_update(tx, plan)
     jin, jout = inputs(split.jaxpr), outputs(split.jaxpr)
     g, o, w = jax.tree.leaves(grads.averaged), jax.tree.leaves(opt_state), jax.tree.leaves(weights)
@@ -83,7 +63,7 @@ def offloaded_update(
     stored, src = (*plan.opt, *(plan.master or plan.params)), [*o, *w]
     here = lambda x, s: view(to_device(plan, [x], [s]), [s])[0]
     there = lambda x, s: to_host(plan, store([x], [s]), [s])[0]
-    keep = lambda new, old: new if finite is None else jnp.where(finite, new, old)
+    keep = functools.partial(keep_if_finite, finite)
     env = environment(split.jaxpr, g)
     env |= {jin[n + j]: here(o[j], stored[j]) for j in split.shared}
     evaluate(split, split.first, env)
