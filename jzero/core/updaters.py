@@ -54,9 +54,9 @@ class Updater:
 
     def before(self, metric: Any, opt_state: Any) -> tuple[Any, Any]:
         """``(metric, opt_state)``, the metric computed before the update reads the state.
-        Streamed, it is tied to the stored state: unordered, XLA ran the gradient norm after
-        the last piece, every gradient leaf whole on the device through the update (the
-        H200's dump). Tying the gradients instead changed XLA:CPU's rounding."""
+        Streamed, it is tied to the stored state: left unordered, XLA may run the gradient
+        norm after the last piece, holding every gradient leaf whole on the device through
+        the update. (Tying the gradients instead changes XLA:CPU's rounding.)"""
         if self.name != "stream":
             return metric, opt_state
         return jax.lax.optimization_barrier((metric, opt_state))
