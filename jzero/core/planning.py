@@ -31,13 +31,15 @@ def plan_for(tx: optax.GradientTransformation, mesh: Mesh, config: ZeroConfig, p
     opt_state = jax.eval_shape(tx.init, config.precision.cast(shapes, "float32"))
     check_leaves(opt_state, "optimizer state")
     check_complex(shapes, opt_state, config)
+    specs = user_specs(shapes, mesh, config)
+    owners = param_owners(tx, jax.tree.structure(shapes), opt_state)
     return make_plan(
         mesh=mesh,
         config=config,
         params=shapes,
         opt_state=opt_state,
-        user_specs=user_specs(shapes, mesh, config),
-        owners=param_owners(tx, jax.tree.structure(shapes), opt_state),
+        user_specs=specs,
+        owners=owners,
     )
 
 
