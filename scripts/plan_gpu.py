@@ -18,9 +18,9 @@ AdamW, bf16 parameters over fp32 master weights and moments, each layer remateri
   layer gathered by ``jzero.gather(mesh=)``), at the chosen micro-batch: one micro-batch
   per step, as a user's step without accumulation trains.
 
-Each plan runs in a fresh process, so its peak resident memory (``ru_maxrss``) is its
-own: nothing the model's size is allocated here. ``--quick`` plans the tiny model on the
-same targets with a small budget, so that micro-batches cut (CI runs it).
+Each plan runs in a fresh process, so its peak resident memory (``VmHWM``) is its own:
+nothing the model's size is allocated here. ``--quick`` plans the tiny model on the
+same targets with a small budget, so that micro-batches cut (a smoke run, ~6 minutes).
 benchmarks/README.md documents the JSON.
 """
 
@@ -83,7 +83,12 @@ def _on_cpu() -> None:
 
 
 def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """This process's peak resident memory (``VmHWM``: its own, where ``ru_maxrss`` would
+    include its parent's at the fork that started it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux
 
 
 def autoconfigure(plan: Plan) -> dict[str, Any]:
@@ -149,7 +154,7 @@ def user_step(plan: Plan, micro_batch: int) -> dict[str, Any]:
 
 
 def _in_fresh_process(fn, *args) -> dict[str, Any]:
-    """``fn(*args)`` in a spawned process of its own (its ``ru_maxrss`` is its own)."""
+    """``fn(*args)`` in a spawned process of its own (its peak memory is its own)."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(fn, *args).result()

@@ -4,14 +4,15 @@ with ``jzero.report``, in a fresh interpreter, so that its peak resident memory
 (``ru_maxrss``) is the plan's own.
 
 ``python tests/workers/plan_rss_worker.py`` prints one JSON line: ``params``,
-``peak_rss_bytes``, ``device_bytes`` (the compiled per-device peak) and
-``collective_bytes`` (sent per device per step).
+``peak_rss_bytes`` (``VmHWM``: this process's own peak; ``ru_maxrss`` would include the
+resident memory of the parent it was forked from, e.g. a pytest worker's),
+``device_bytes`` (the compiled per-device peak) and ``collective_bytes`` (sent per device
+per step).
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -28,6 +29,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jzero  # noqa: E402
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it was started (``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status (not Linux?)")
+
+
 def main() -> None:
     problem = llama.problem(size="70b", batch=64)
     mesh = jzero.gpu_mesh("h200", devices=64, hosts=8)
@@ -40,7 +49,7 @@ def main() -> None:
     report = jzero.report(opt.train_step(problem["loss_fn"]), state, batch)
     print(json.dumps({
         "params": llama.count_params(state.params),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
         "device_bytes": report.peak_bytes,
         "collective_bytes": report.comm_bytes["total"],
     }))  # fmt: skip
