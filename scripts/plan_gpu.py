@@ -82,7 +82,7 @@ def _on_cpu() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-def _rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     """This process's peak resident memory (``VmHWM``: its own, where ``ru_maxrss`` would
     include its parent's at the fork that started it)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -108,7 +108,7 @@ def autoconfigure(plan: Plan) -> dict[str, Any]:
     return {
         "search": to_json(choice),
         "wall_seconds": time.perf_counter() - start,
-        "peak_rss_bytes": _rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 
@@ -149,7 +149,7 @@ def user_step(plan: Plan, micro_batch: int) -> dict[str, Any]:
         "device_bytes": of_compiled(compiled, hlo_text=text)["device"],
         "collective_bytes": comm_bytes(collectives(text))["total"],
         "wall_seconds": time.perf_counter() - start,
-        "peak_rss_bytes": _rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 

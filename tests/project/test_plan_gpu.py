@@ -5,6 +5,7 @@ under 2 GB of host memory, and the generated table. The host-memory bound is als
 measured here, live, on one 70 B compile for 64 H200s in a fresh process. The plans'
 API is executed by docs/guides/plan_gpu.md (tests/project/test_docs.py)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,8 +17,7 @@ COMMITTED = REPO / "benchmarks" / "gpu_plans.json"
 HOST_BOUND = 2e9  # bytes of resident memory a plan may take on the laptop
 MINUTES_70B = 10
 needs_plugin = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason="needs jzero[gpu-compile]",
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is None, reason="needs jzero[gpu-compile]"
 )
 
 

@@ -20,21 +20,15 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")  # compile-only GPUs need JAX on the CPU
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "scripts")]
 import jax.numpy as jnp  # noqa: E402
 import llama  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from plan_gpu import peak_rss_bytes  # noqa: E402  (scripts/plan_gpu.py: VmHWM)
 
 import jzero  # noqa: E402
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory since it was started (``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError("no VmHWM in /proc/self/status (not Linux?)")
 
 
 def main() -> None:
