@@ -12,8 +12,8 @@ Each adapter reads its Flax API's annotations and maps them as that API does:
   as it is, so it must then be a mesh axis.
 
 Explicit ``param_specs`` name mesh axes, or logical axes when ``rules=`` is given. Specs
-mapped through rules lose jzero's own axes (:func:`jzero.core.rules.drop_own_axes`). The
-metadata is read by :func:`jzero.core.boxed.box_specs`, which ``jzero.ZeroOptimizer`` uses
+mapped through rules lose jzero's own axes (:func:`jzero.core.param_specs.drop_own_axes`). The
+metadata is read by :func:`jzero.core.param_specs.box_specs`, which ``jzero.ZeroOptimizer`` uses
 for boxed parameters too.
 """
 
@@ -26,8 +26,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..core.boxed import box_specs
-from ..core.rules import Rules, check_rules, logical_to_mesh
+from ..core.param_specs import Rules, box_specs, check_rules, logical_to_mesh
 
 
 def _explicit(param_specs: Any, rules: Rules | None, mesh: Mesh) -> Any:

@@ -32,7 +32,6 @@ import orbax.checkpoint as ocp
 from ..core.checksum import checksums
 from ..core.input_checks import check_live
 from ..core.plan import ZeroState
-from ..core.stored_form import state_shardings
 from ..optimizers.zero_optimizer import ZeroOptimizer
 from .argument_checks import check_extra, check_like, check_optimizer
 from .errors import (
@@ -48,7 +47,8 @@ from .format import (
     flatten,
     meta_checksum,
 )
-from .restore import read_arrays, read_meta, restore_step
+from .reading import read_arrays, read_meta
+from .restore import restore_step
 
 logger = logging.getLogger("jzero")
 
@@ -369,13 +369,12 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint in {self.directory}.")
         plan = opt.plan(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like))
         skipped: list[tuple[int, str]] = []
-        layout = state_shardings(plan, opt.precision)  # every leaf's target sharding
         manager, where = self._existing(), str(self.directory)
         for s in steps:
             try:
                 if s not in (on_disk := self.all_steps()):
                     raise CheckpointError(f"no checkpoint step {s} in {where} (steps: {on_disk}).")
-                state, extra = restore_step(manager, where, layout, opt.precision, s, model_state)
+                state, extra = restore_step(manager, where, plan, opt.precision, s, model_state)
             except CheckpointMismatchError as e:
                 if not skipped:
                     raise

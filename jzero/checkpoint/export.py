@@ -41,10 +41,10 @@ from jax.sharding import PartitionSpec as P
 from ..core.axis_types import on_compute_mesh
 from ..core.input_checks import check_live
 from ..core.leaf_layout import unpad
+from ..core.leaf_names import leaf_names
 from ..core.plan import Stored, ZeroState
 from ..optimizers.zero_optimizer import ZeroOptimizer
 from .argument_checks import check_optimizer
-from .names import leaf_names
 
 _METADATA = "__metadata__"
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import jax
 
+from ..core.leaf_names import leaf_names
 from ..core.plan import Plan, Stored, ZeroState
 from .errors import CheckpointError as CheckpointError
-from .names import leaf_names
 
 FORMAT, VERSION = "jzero-checkpoint", 1
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..core.leaf_names import leaf_names
+from ..core.restoring import model_state_names
 from .errors import CheckpointMismatchError
 from .format import state_types
-from .names import leaf_names
 
 _GROUPS = (
     ("step", "the step"),
@@ -29,7 +30,7 @@ def check_match(
 ) -> None:
     """Raises :class:`CheckpointMismatchError` naming every difference between the
     checkpoint ``meta`` (at ``where``, e.g. ``"checkpoint step 2 in /runs/ckpt"``) and the
-    restoring ``targets`` (:func:`.restore.restore_targets`): leaves on one side only, true
+    restoring ``targets`` (:func:`jzero.core.restoring.read_targets`): leaves on one side only, true
     shapes or dtypes that differ, and the Optax state types (``opt_def`` 's) when those
     differ too."""
     stored = meta["leaves"]
@@ -84,11 +85,6 @@ def _leaf_problems(stored: dict[str, Any], targets: dict[str, Any]) -> list[str]
                 "in the restoring model"
             )
     return problems
-
-
-def model_state_names(stored: dict[str, Any]) -> list[str]:
-    """The model state's leaves among a checkpoint's ``stored`` names."""
-    return [n for n in stored if n.startswith("model_state.") or n == "model_state"]
 
 
 def _model_state_problems(stored: dict[str, Any], model_state: Any) -> list[str]:

@@ -61,12 +61,12 @@ class ZeroOptimizer:
         rules: optional logical axis rules, ``(logical_name, mesh_axes)`` pairs as
             ``nn.logical_axis_rules`` takes them, e.g. ``(('embed', None), ('mlp',
             'model'))``. ``param_specs`` then name logical axes, mapped as Flax maps them
-            (:mod:`jzero.core.rules`; a name with no rule is replicated); ``data`` and
+            (:mod:`jzero.core.param_specs`; a name with no rule is replicated); ``data`` and
             ``replica`` are dropped from the result (jzero places them). Without
             ``param_specs``, the parameters' own Flax metadata is mapped instead (as
             ``model.init`` returns them, boxed by ``nn.with_logical_partitioning`` /
             ``nn.with_partitioning``, or an ``nnx.State`` whose Variables carry
-            ``out_sharding``; :mod:`jzero.core.boxed`), a box's own rules first; parameters
+            ``out_sharding``; :mod:`jzero.core.param_specs`), a box's own rules first; parameters
             with no metadata are refused with a ``ValueError`` (the rules would do nothing).
             A ``with nn.logical_axis_rules(...)`` context is not read here.
         precision: a :class:`Precision` policy (default: everything float32).

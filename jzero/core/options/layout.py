@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..leaf_layout import DEFAULT_MIN_SHARD_SIZE
-from ..rules import Rules, as_rules, check_rules
+from ..param_specs import Rules, as_rules, check_rules
 from .moved import names_moved_options
 
 
@@ -29,8 +29,8 @@ class Layout:
         rules: optional logical axis rules, ``(logical_name, mesh_axes)`` pairs as
             ``nn.logical_axis_rules`` takes them, e.g. ``(('embed', None), ('mlp',
             'model'))``. ``param_specs`` then name logical axes, mapped as Flax maps them
-            (:mod:`jzero.core.rules`); without ``param_specs``, the parameters' own Flax
-            partitioning metadata is mapped (:mod:`jzero.core.boxed`).
+            (:mod:`jzero.core.param_specs`); without ``param_specs``, the parameters' own Flax
+            partitioning metadata is mapped.
         min_shard_size: leaves with fewer elements, and scalars, stay replicated (default
             0: every non-scalar leaf is sharded).
 
