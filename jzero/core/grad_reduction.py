@@ -25,24 +25,15 @@ class Gradients(NamedTuple):
     reduced: Any  # as reduced: stored (padded) shards, reduce dtype, device memory
     denominator: jax.Array  # scalar the reduced sums are divided by (devices x micro-batches)
     averaged: Any  # reduced / denominator, fp32, true shapes, device memory
-    on_host: tuple | None = None  # per leaf, ``reduced``'s copy made in backward, host memory
-    # (:func:`copied_in_backward`), or None (the host step copies that leaf after backward)
+    host_copies: tuple | None = None  # per leaf, ``reduced``'s host copy made in backward
+    # (:meth:`.Reducer.host_copied`), or None (the host step copies that leaf after backward)
 
-    def copies_or_reduced(self) -> list:
+    def host_reads(self) -> list:
         """Per parameter leaf, what the host reads of its reduced gradient: the host copy
-        backward made (``on_host``), else the reduced shard on the device."""
+        backward made, else the reduced shard on the device."""
         reduced = jax.tree.leaves(self.reduced)
-        copies = self.on_host or (None,) * len(reduced)
+        copies = self.host_copies or (None,) * len(reduced)
         return [g if c is None else c for g, c in zip(reduced, copies)]
-
-
-def copied_in_backward(plan: Plan, reducer: Reducer) -> tuple[bool, ...]:
-    """Per parameter leaf, whether backward copies its reduced shard to host memory where it
-    reduces it (``reducer.copies``): a sharded leaf whose optimizer state rests on the host,
-    unless hybrid (the shard is all-reduced across replicas after backward)."""
-    if not reducer.copies or plan.hybrid:
-        return (False,) * len(plan.params)
-    return tuple(lay.sharded and on for lay, on in zip(plan.layouts, plan.offloaded))
 
 
 def agree(x: jax.Array, axes) -> jax.Array:

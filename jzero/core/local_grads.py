@@ -36,7 +36,7 @@ from .comm.gatherer import Gatherer, Sharded
 from .comm.reducer import Reducer
 from .gather.autogather import gather_where_used
 from .grad_average import dtype_for
-from .grad_reduction import agree, agree_aux, combine_micro, copied_in_backward, reduce
+from .grad_reduction import agree, agree_aux, combine_micro, reduce
 from .leaf_layout import LeafLayout
 from .loss_protocol import check_loss, split_model_state
 from .mesh import DATA, REPLICA
@@ -65,7 +65,7 @@ def local_grads(
 ):
     """The shard_map body: (params at rest, model state, loss scale, local batch) ->
     (loss, reduced gradients summed over devices and micro-batches, their host copies made
-    in backward (per leaf, or None: :func:`copied_in_backward`), agreed model state, aux).
+    in backward (per leaf, or None: :meth:`.Reducer.host_copied`), agreed model state, aux).
 
     ``gatherer`` gathers the parameters where the loss uses them (stage 3) and ``reducer``
     reduce-scatters their gradients (stages 1-3), as the step built them from its
@@ -177,7 +177,7 @@ def _differentiated(plan: Plan, params, gatherer: Gatherer, reducer: Reducer):
 
     Stages 2/3 differentiate zero "sinks" that receive the reduce-scattered gradients; the
     parameters enter the loss through :class:`Sharded` handles (``wrap``). A leaf whose
-    gradient backward copies to host memory (:func:`copied_in_backward`) has a pair of
+    gradient backward copies to host memory (:meth:`.Reducer.host_copied`) has a pair of
     sinks, ``(device, host)``. Stages 0/1 differentiate a varying copy of each parameter."""
     axes, leaves = plan.batch_axes, jax.tree.leaves(params)
     if not plan.config.partitions_grads:
@@ -185,7 +185,7 @@ def _differentiated(plan: Plan, params, gatherer: Gatherer, reducer: Reducer):
     sink = lambda x, lay: _varying(jnp.zeros(_local_shape(lay), _cast_dtype(x, reducer)), axes)
     host = lambda x: jax.device_put(x, jax.memory.Space.Host)
     sinks = lambda x, lay, c: (sink(x, lay), host(sink(x, lay))) if c else sink(x, lay)
-    copied = copied_in_backward(plan, reducer)
+    copied = reducer.host_copied(plan)
     diff = [
         sinks(x, lay, c) if lay.sharded else _varying(x, axes)
         for x, lay, c in zip(leaves, plan.layouts, copied)
@@ -194,7 +194,7 @@ def _differentiated(plan: Plan, params, gatherer: Gatherer, reducer: Reducer):
         # cotangent reaching the handle is this device's alone (no implicit psum)
         leaves = [jax.lax.pcast(x, REPLICA, to="varying") for x in leaves]
     handle = lambda s, x, lay: (
-        Sharded(s[0], x, lay, gatherer, reducer, copy=s[1])
+        Sharded(s[0], x, lay, gatherer, reducer, host_copy=s[1])
         if isinstance(s, tuple)
         else Sharded(s, x, lay, gatherer, reducer)
     )

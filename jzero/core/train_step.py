@@ -28,7 +28,7 @@ from .comm.collectives import all_gather
 from .comm.gatherer import Gatherer
 from .comm.reducer import Reducer
 from .gpu_target.compile_only import check_runnable
-from .grad_reduction import Gradients, copied_in_backward
+from .grad_reduction import Gradients
 from .input_checks import check_batch, check_global_batch, check_live, check_state
 from .leaf_layout import pad
 from .local_grads import local_grads
@@ -139,30 +139,32 @@ def make_train_step(
     # the three strategies, built once: gathering parameters, reducing gradients, updating
     gatherer, reducer, update = Gatherer.of(config), Reducer.of(config), make_updater(tx, config)
 
-    def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+    def forward_backward(state: ZeroState, batch: Any, *, scaled: bool) -> tuple:
+        """The state and batch checked, then ``(loss, reduced gradients with their host
+        copies and means, agreed model state, aux)``, whether a :class:`Weighted` loss's
+        global count is valid (else None), and the loss scale (1 unless ``scaled``)."""
         check_state(state, config, mesh=mesh, tx=tx)
         check_state_offload(state, config.offload)
         check_batch(batch, state.plan.dp_size, options.grad_accum)
-        scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1)
+        scale = jnp.float32(1)
+        if scaled and state.loss_scale is not None:
+            scale = state.loss_scale.scale
         body = local_grads(state.plan, loss_fn, options, gatherer, reducer, aliases=aliases)
         loss, grads, copies, model_state, aux = _sharded(
             body, state, scale, batch, aliases, reducer
         )
         loss, grads, ok = _global_view(state.plan, loss, (grads, copies), scale, options.grad_accum)
-        return _apply(update, state, (loss, grads, model_state, aux), scale, ok, config)
+        return (loss, grads, model_state, aux), ok, scale
+
+    def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        outputs, ok, scale = forward_backward(state, batch, scaled=True)
+        return _apply(update, state, outputs, scale, ok, config)
 
     def delayed_step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-        check_state(state, config, mesh=mesh, tx=tx)
-        check_state_offload(state, config.offload)
-        check_batch(batch, state.plan.dp_size, options.grad_accum)
-        body = local_grads(state.plan, loss_fn, options, gatherer, reducer, aliases=aliases)
-        scale = jnp.float32(1)  # no dynamic loss scaling with a delay (Offload.check_precision)
-        loss, grads, copies, model_state, aux = _sharded(
-            body, state, scale, batch, aliases, reducer
-        )
-        loss, grads, ok = _global_view(state.plan, loss, (grads, copies), scale, options.grad_accum)
+        # no dynamic loss scaling with a delay (Offload.check_precision)
+        outputs, ok, _ = forward_backward(state, batch, scaled=False)
         check_delayable(ok)
-        return _delayed(update, state, (loss, grads, model_state, aux), config)
+        return _delayed(update, state, outputs, config)
 
     agreement = Agreement(config, mesh)
     donate = 0 if options.donate else ()
@@ -182,7 +184,7 @@ def _sharded(
     plan = state.plan
     sharded = plan.config.partitions_opt_state
     grad_specs = [lay.data_spec() if sharded else P() for lay in plan.layouts]
-    copied = copied_in_backward(plan, reducer)
+    copied = reducer.host_copied(plan)
     copy_specs = tuple(s if c else None for s, c in zip(grad_specs, copied))
     fwd_bwd = jax.shard_map(
         body,
@@ -263,8 +265,8 @@ def _delayed(update, state, outputs, config) -> tuple[ZeroState, Metrics]:
     if config.step.has_aux:
         metrics["aux"] = aux
     new_state = _update(update, state, _held(plan, pending), pending.apply)
-    held = to_host(plan, jax.tree.unflatten(plan.params_def, grads.copies_or_reduced()),
-                   plan.pending)  # fmt: skip
+    held = jax.tree.unflatten(plan.params_def, grads.host_reads())
+    held = to_host(plan, held, plan.pending)
     pending = Pending(held, grads.denominator, jnp.ones((), jnp.bool_))
     new_state = new_state.replace(step=state.step + 1, model_state=model_state, pending=pending)
     return new_state, metrics

@@ -94,7 +94,7 @@ def _use(sinks, copies, values, layouts: tuple, gatherer: Gatherer, reducer: Red
     """:meth:`Gatherer.use` of ``values``; backward reduce-scatters the cotangents with
     ``reducer`` into ``sinks``: leaf by leaf, or one flat collective with ``bucket``.
     ``copies`` (per leaf, a host-memory sink or None) receive the host copies of the
-    reduced shards (:meth:`.reducer.Reducer.copy`)."""
+    reduced shards (:meth:`.reducer.Reducer.host_copy`)."""
     del sinks, copies
     return gatherer.use(list(values), layouts)
 
@@ -106,7 +106,11 @@ def _use_fwd(sinks, copies, values, layouts, gatherer, reducer):
 
 def _use_bwd(layouts, gatherer, reducer, copied, cts):
     grads = reducer.scatter(list(cts), layouts, flat=gatherer.bucket)
-    return grads, reducer.copy(grads, tuple(c is not None for c in copied)), [None] * len(grads)
+    return (
+        grads,
+        reducer.host_copy(grads, tuple(c is not None for c in copied)),
+        [None] * len(grads),
+    )
 
 
 _use.defvjp(_use_fwd, _use_bwd)
@@ -172,18 +176,24 @@ class Sharded:
             static).
         secondary: with hpZ, this leaf's secondary copy if already gathered (e.g. kept
             for backward by :func:`jzero.remat_layer`), else None.
-        copy: where backward copies the reduced shard to host memory
-            (``reducer.copies``): zeros of the sink's shape in host memory, whose gradient
-            is that copy; else None.
+        host_copy: where backward makes the host copy of the reduced shard
+            (``reducer.host_copies``): zeros of the sink's shape in host memory, whose
+            gradient is that copy; else None.
     """
 
     def __init__(
-        self, sink, value, layout: LeafLayout, gatherer: Gatherer, reducer: Reducer,
-        secondary=None, copy=None,
-    ):  # fmt: skip
+        self,
+        sink,
+        value,
+        layout: LeafLayout,
+        gatherer: Gatherer,
+        reducer: Reducer,
+        secondary=None,
+        host_copy=None,
+    ):
         self.sink, self.value, self.layout = sink, value, layout
         self.gatherer, self.reducer, self.secondary = gatherer, reducer, secondary
-        self.copy = copy
+        self.host_copy = host_copy
 
     @property
     def gathers(self) -> bool:
@@ -196,13 +206,13 @@ class Sharded:
         return self.gatherer.hpz if self.gathers else None
 
     def tree_flatten(self):
-        children = (self.sink, self.value, self.secondary, self.copy)
+        children = (self.sink, self.value, self.secondary, self.host_copy)
         return children, (self.layout, self.gatherer, self.reducer)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        sink, value, secondary, copy = children
-        return cls(sink, value, *aux, secondary=secondary, copy=copy)
+        sink, value, secondary, host_copy = children
+        return cls(sink, value, *aux, secondary=secondary, host_copy=host_copy)
 
     def gather(self) -> jax.Array:
         """This leaf alone: one all-gather (stage 3; hpZ: two), one reduce-scatter in
@@ -210,7 +220,7 @@ class Sharded:
         if self.hpz is not None:
             return _hpz_gather([self], flat=False)[0]
         how = (self.layout,), self.gatherer, self.reducer
-        return _use([self.sink], [self.copy], [self.value], *how)[0]
+        return _use([self.sink], [self.host_copy], [self.value], *how)[0]
 
     def with_secondary(self) -> Sharded:
         """This handle carrying its secondary copy (hpZ's first gather done now); itself
@@ -220,7 +230,7 @@ class Sharded:
         quant = self.gatherer.quant
         secondary = secondary_copy([self.value], (self.layout,), self.hpz, quant)
         how = self.layout, self.gatherer, self.reducer
-        return Sharded(self.sink, self.value, *how, secondary=secondary, copy=self.copy)
+        return Sharded(self.sink, self.value, *how, secondary=secondary, host_copy=self.host_copy)
 
     def __repr__(self) -> str:
         quant = self.gatherer.quant
@@ -245,7 +255,7 @@ def with_secondaries(tree: Any) -> Any:
 def without_secondaries(tree: Any) -> Any:
     """``tree`` (e.g. :func:`with_secondaries`'s cotangents) with the secondary copies
     dropped: the structure of the handles as the step made them."""
-    one = lambda x: Sharded(x.sink, x.value, x.layout, x.gatherer, x.reducer, copy=x.copy)
+    one = lambda x: Sharded(x.sink, x.value, x.layout, x.gatherer, x.reducer, host_copy=x.host_copy)
     return jax.tree.map(lambda x: one(x) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
 
 
@@ -271,7 +281,7 @@ def _gather_leaves(leaves: list) -> list:
         if hs[0].hpz is not None:
             full = _hpz_bucket(hs)
         else:
-            full = _use([h.sink for h in hs], [h.copy for h in hs], [h.value for h in hs],
+            full = _use([h.sink for h in hs], [h.host_copy for h in hs], [h.value for h in hs],
                         tuple(h.layout for h in hs), gatherer, reducer)  # fmt: skip
         for i, x in zip(idx, full):
             out[i] = x
@@ -315,8 +325,8 @@ def gather(tree: Any, *, mesh: Mesh | None = None) -> Any:
 def no_copies(handles: Sequence[Sharded], where: str) -> None:
     """Refuses handles whose gradient backward should copy to host memory on a path whose
     backward rule returns the reduced shard only (its copy would silently be zero)."""
-    if any(h.copy is not None for h in handles):
+    if any(h.host_copy is not None for h in handles):
         raise NotImplementedError(
             f"{where} does not copy gradients to host memory in backward; "
-            "jzero.core.comm.reducer.copies_in_backward should have left this step's copies off."
+            "jzero.core.comm.reducer.makes_host_copies should have left this step's copies off."
         )

@@ -20,6 +20,7 @@ from ..leaf_layout import LeafLayout, pad
 from ..mesh import DATA
 from ..options.communication import Quant
 from ..options.zero_config import ZeroConfig
+from ..plan import Plan
 from .buckets import reduce_scatter_flat
 from .quantize import quantized_reduce_scatter
 
@@ -31,22 +32,31 @@ class Reducer:
     Attributes:
         dtype: the dtype gradients are reduced in (``Precision.reduce_dtype``).
         quant: how they are quantized on the wire (``Communication.grad_quant``), or None.
-        copies: backward also copies each reduced shard of an offloaded leaf to host memory
-            where it is reduced (:meth:`copy`): ZeRO-Offload's gradient copy during
-            backward, for the host step (:func:`copies_in_backward`).
+        host_copies: backward also makes a host copy of each reduced shard of an offloaded
+            leaf where it reduces it (:meth:`host_copy`): ZeRO-Offload's gradient copy
+            during backward, for the host step (:func:`makes_host_copies`;
+            :meth:`host_copied` says which leaves).
     """
 
     dtype: np.dtype
     quant: Quant | None = None
-    copies: bool = False
+    host_copies: bool = False
 
     @classmethod
     def of(cls, config: ZeroConfig) -> Reducer:
         """The reducer ``config`` asks for."""
         dtype = np.dtype(config.precision.reduce_dtype)
-        return cls(dtype, config.comm.grad_quantizer, copies_in_backward(config))
+        return cls(dtype, config.comm.grad_quantizer, makes_host_copies(config))
 
-    def copy(self, grads: list, copied: tuple[bool, ...]) -> list:
+    def host_copied(self, plan: Plan) -> tuple[bool, ...]:
+        """Per parameter leaf, whether backward makes a host copy of its reduced shard
+        (:attr:`host_copies`): a sharded leaf whose optimizer state rests on the host,
+        unless hybrid (the shard is all-reduced across replicas after backward)."""
+        if not self.host_copies or plan.hybrid:
+            return (False,) * len(plan.params)
+        return tuple(lay.sharded and on for lay, on in zip(plan.layouts, plan.offloaded))
+
+    def host_copy(self, grads: list, copied: tuple[bool, ...]) -> list:
         """The host copies of the reduced ``grads`` that ``copied`` marks (None elsewhere),
         made here: inside backward, as soon as each is reduced."""
         to_host = lambda g: jax.device_put(g, jax.memory.Space.Host)
@@ -78,8 +88,8 @@ def scatter_flat(grads: list, layouts: Any, quant: Quant | None) -> list:
     return reduce_scatter_flat(grads, layouts)
 
 
-def copies_in_backward(config: ZeroConfig) -> bool:
-    """Whether backward copies the reduced gradient shards to host memory as it reduces
+def makes_host_copies(config: ZeroConfig) -> bool:
+    """Whether backward makes host copies of the reduced gradient shards as it reduces
     them (per layer, inside a scan's backward loop too): with the host step
     (``Offload(optimizer="host")``) at stages 2-3, where every reduce-scatter happens in
     backward. Not with gradient accumulation (the host reads the sum over micro-batches),

@@ -23,7 +23,7 @@ update on the host.
 
 Overlap: at stages 2-3 backward moves each offloaded leaf's gradient shard to host memory
 where it reduce-scatters it (ZeRO-Offload's copy during backward;
-:func:`jzero.core.comm.reducer.copies_in_backward`): an unrolled model's layer by layer,
+:func:`jzero.core.comm.reducer.makes_host_copies`): an unrolled model's layer by layer,
 a scanned stack's at stage 3 layer by layer inside the backward loop (each slice written
 into the host-resident stacked gradient). Elsewhere (stage 1, gradient accumulation,
 prefetch, hpZ, a ``replica`` axis) each gradient is copied down after backward. The
@@ -55,7 +55,7 @@ import jax
 import optax
 
 from ...internal import interpret
-from ...internal.equation import Equation, defined, environment, equations, inputs, outputs
+from ...internal.equation import Equation, defined, environment, equations
 from ...internal.host_compute import on_host
 from ...internal.interpret import REBINDS, Interpreter, bind, rebind
 from ...internal.interpret import value as read
@@ -80,7 +80,7 @@ def host_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
     o, w, n = jax.tree.leaves(opt_state), jax.tree.leaves(weights), len(plan.params)
     env, shared = _global_part(split, plan, grads, o, finite)
     new_o, new_p, new_w = [shared.get(j, x) for j, x in enumerate(o)], [None] * n, [None] * n
-    reduced = grads.copies_or_reduced()
+    reduced = grads.host_reads()
     common = _down((grads.denominator, finite))
     for b in split.buckets:
         if not _on_host(plan, b):  # Offload.ratio: this leaf's state rests on the device
@@ -130,13 +130,12 @@ def _device_bucket(split, b, plan, precision, env, sources, finite) -> tuple[lis
     """Bucket ``b`` evaluated on the device, beside the host buckets (its state and master
     weights rest there, ``Offload.ratio`` < 1): ``(state, master, params)`` as the host
     program returns them, from the averaged gradients already in ``env``."""
-    (o, w), ins = sources, inputs(split.jaxpr)
-    n, m, weights = len(plan.params), len(plan.opt), plan.master or plan.params
+    (o, w), weights = sources, plan.master or plan.params
     keep = functools.partial(keep_if_finite, finite)
     for j in b.opt:
-        env[ins[n + j]] = view([o[j]], [plan.opt[j]])[0]
+        env[split.state_ins[j]] = view([o[j]], [plan.opt[j]])[0]
     for i in b.params:
-        env[ins[n + m + i]] = view(to_device(plan, [w[i]], [weights[i]]), [weights[i]])[0]
+        env[split.weight_ins[i]] = view(to_device(plan, [w[i]], [weights[i]]), [weights[i]])[0]
     evaluate(split, b.equations, env)
     return _results(split, b, plan, precision, env, keep)
 
@@ -144,14 +143,12 @@ def _device_bucket(split, b, plan, precision, env, sources, finite) -> tuple[lis
 def _results(split: Split, b: Bucket, plan: Plan, precision: Precision, env: dict, keep) -> tuple:
     """A bucket's evaluated values as ``(stored state, stored master, params)``: the new
     state and weights where ``keep`` takes them (else the old), the parameters cast."""
-    ins, outs, n, m = inputs(split.jaxpr), outputs(split.jaxpr), len(plan.params), len(plan.opt)
-    new_opt = [
-        store([keep(read(env, outs[n + j]), env[ins[n + j]])], [plan.opt[j]])[0] for j in b.opt
-    ]
+    new_state = lambda j: keep(read(env, split.state_outs[j]), env[split.state_ins[j]])
+    new_opt = [store([new_state(j)], [plan.opt[j]])[0] for j in b.opt]
     new_master, new_params = [], []
     for i in b.params:
-        old = env[ins[n + m + i]]
-        new = keep(optax.apply_updates(old, read(env, outs[i])), old)
+        old = env[split.weight_ins[i]]
+        new = keep(optax.apply_updates(old, read(env, split.update_outs[i])), old)
         if plan.master is not None:
             new_master.append(store([new], [plan.master[i]])[0])
         new_params.append(precision.cast(new))
@@ -163,15 +160,14 @@ def _global_part(
 ) -> tuple[dict, dict[int, jax.Array]]:
     """Evaluates the update's global part on the device (counters, global norms), from the
     averaged gradients; the environment, and the new shared state leaves (host memory)."""
-    ins, outs, n = inputs(split.jaxpr), outputs(split.jaxpr), len(plan.params)
     env = environment(split.jaxpr, jax.tree.leaves(grads.averaged))
     here = lambda j: view(to_device(plan, [o[j]], [plan.opt[j]]), [plan.opt[j]])[0]
-    env |= {ins[n + j]: here(j) for j in split.shared}
+    env |= {split.state_ins[j]: here(j) for j in split.shared}
     evaluate(split, split.first, env)
     keep = functools.partial(keep_if_finite, finite)
     shared = {}
     for j in split.shared:
-        new = keep(read(env, outs[n + j]), env[ins[n + j]])
+        new = keep(read(env, split.state_outs[j]), env[split.state_ins[j]])
         shared[j] = to_host(plan, store([new], [plan.opt[j]]), [plan.opt[j]])[0]
     return env, shared
 
@@ -193,16 +189,15 @@ def _at_rest(plan: Plan, x: jax.Array, stored: Stored) -> jax.Array:
 def _free(split: Split, bucket: Bucket, plan: Plan) -> list[Any]:
     """The variables ``bucket``'s equations read from outside it, other than its own
     gradients, state and weights: the global part's results, constants, shared state."""
-    ins, n, m = inputs(split.jaxpr), len(plan.params), len(plan.opt)
-    own = {ins[i] for i in bucket.params} | {ins[n + j] for j in bucket.opt}
-    own |= {ins[n + m + i] for i in bucket.params}
+    own = {split.grad_ins[i] for i in bucket.params} | {split.state_ins[j] for j in bucket.opt}
+    own |= {split.weight_ins[i] for i in bucket.params}
     all_eqns = equations(split.jaxpr)
     made, free = set(), []
     for eqn in (all_eqns[e] for e in bucket.equations):
         free += [v for v in eqn.variables if v not in made and v not in own and v not in free]
         made.update(eqn.outputs)
-    outs = [outputs(split.jaxpr)[i] for i in bucket.params]
-    outs += [outputs(split.jaxpr)[n + j] for j in bucket.opt]  # e.g. one passed through
+    outs = [split.update_outs[i] for i in bucket.params]
+    outs += [split.state_outs[j] for j in bucket.opt]  # e.g. one passed through
     named = defined(split.jaxpr)  # its outputs that are no literal
     return free + [v for v in outs if v in named and v not in made | own | set(free)]
 
@@ -239,18 +234,17 @@ def _bucket_program(
 ) -> Any:
     """The jitted host computation of one bucket: ``(reduced grads, stored state, stored
     weights, free values, denominator, finite) -> (stored state, stored master, params)``."""
-    ins, n, m = inputs(split.jaxpr), len(plan.params), len(plan.opt)
     weights: tuple[Stored, ...] = plan.master or plan.params
 
     def update(reduced, opt, w, values, denominator, finite):
         keep = functools.partial(keep_if_finite, finite if guarded else None)
         env = dict(zip(free, values))
         for i, g in zip(bucket.params, reduced):  # as the step averages them on the device
-            env[ins[i]] = averaged(g, denominator, plan.params[i].layout)
+            env[split.grad_ins[i]] = averaged(g, denominator, plan.params[i].layout)
         for j, x in zip(bucket.opt, opt):
-            env[ins[n + j]] = view([x], [plan.opt[j]])[0]
+            env[split.state_ins[j]] = view([x], [plan.opt[j]])[0]
         for i, x in zip(bucket.params, w):
-            env[ins[n + m + i]] = view([x], [weights[i]])[0]
+            env[split.weight_ins[i]] = view([x], [weights[i]])[0]
         interpret.evaluate(split.jaxpr, env, _OnHost(), bucket.equations)
         return _results(split, bucket, plan, precision, env, keep)
 

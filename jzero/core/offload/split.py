@@ -54,19 +54,49 @@ class Split(NamedTuple):
     """``tx.update`` traced and cut into a global part and buckets.
 
     ``jaxpr`` takes ``(grads, opt_state, params)`` leaves and returns ``(updates,
-    opt_state)`` leaves. The ``shared`` state leaves are read by the global part and
-    written from it; every other state leaf belongs to exactly one bucket.
+    opt_state)`` leaves, named by leaf below. The ``shared`` state leaves
+    are read by the global part and written from it; every other state leaf belongs to
+    exactly one bucket.
     """
 
     jaxpr: ClosedJaxpr
     first: tuple[int, ...]  # the global part's equations, evaluated before any bucket
     buckets: tuple[Bucket, ...]
     shared: tuple[int, ...]  # state leaves no parameter owns (e.g. Adam's count)
+    # the jaxpr's variables by leaf: inputs, then outputs
+    grad_ins: tuple  # parameter leaf i's gradient
+    state_ins: tuple  # Optax-state leaf j
+    weight_ins: tuple  # parameter leaf i's weights, as tx.update reads them
+    update_outs: tuple  # parameter leaf i's update
+    state_outs: tuple  # Optax-state leaf j's new value
 
     @property
     def streams(self) -> bool:
         """Whether the update runs leaf by leaf (else one bucket holds the whole tree)."""
         return len(self.buckets) > 1
+
+    @property
+    def stored_ins(self) -> tuple:
+        """The stored leaves' inputs: the Optax state's, then the weights'."""
+        return self.state_ins + self.weight_ins
+
+
+def _split(closed: ClosedJaxpr, first: tuple, buckets: tuple, shared: tuple, n: int) -> Split:
+    """A :class:`Split` of ``closed``, whose inputs are ``n`` gradients, the Optax state and
+    ``n`` weights, and whose outputs are ``n`` updates and the Optax state."""
+    ins, outs = inputs(closed), outputs(closed)
+    m = len(outs) - n
+    return Split(
+        closed,
+        first,
+        buckets,
+        shared,
+        grad_ins=tuple(ins[:n]),
+        state_ins=tuple(ins[n : n + m]),
+        weight_ins=tuple(ins[n + m :]),
+        update_outs=tuple(outs[:n]),
+        state_outs=tuple(outs[n:]),
+    )
 
 
 def _owners(tx: optax.GradientTransformation, plan: Plan, opt: Any) -> list[int] | None:
@@ -147,7 +177,7 @@ def _whole(closed: ClosedJaxpr, plan: Plan) -> Split:
     """The whole update as one bucket."""
     n, m = len(plan.params), len(plan.opt)
     every = tuple(range(len(equations(closed))))
-    return Split(closed, (), (Bucket(tuple(range(n)), tuple(range(m)), every),), ())
+    return _split(closed, (), (Bucket(tuple(range(n)), tuple(range(m)), every),), (), n)
 
 
 def _split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
@@ -179,7 +209,7 @@ def _split_update(tx: optax.GradientTransformation, plan: Plan) -> Split:
         for i in range(n)
     )
     shared = tuple(j for j, o in enumerate(owners) if o < 0)
-    return Split(closed, tuple(sorted(first)), buckets, shared)
+    return _split(closed, tuple(sorted(first)), buckets, shared, n)
 
 
 def evaluate(split: Split, eqns: tuple[int, ...], env: dict) -> None:

@@ -32,10 +32,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ...internal.equation import environment, inputs, outputs
+from ...internal.equation import environment
 from ...internal.interpret import value as read
 from ..grad_average import averaged
+from ..grad_reduction import Gradients
 from ..leaf_layout import LeafLayout
+from ..options.precision import Precision
 from ..plan import Plan, Stored
 from ..stored_form import store, to_device, to_host, view
 from ..update_inputs import UpdateInputs, keep_if_finite
@@ -55,76 +57,126 @@ def offloaded_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
     beside them."""
     tx, precision, plan, grads, opt_state, weights, finite = step
     split = split_update(tx, plan)
-    jin, jout = inputs(split.jaxpr), outputs(split.jaxpr)
-    g, o, w = jax.tree.leaves(grads.averaged), jax.tree.leaves(opt_state), jax.tree.leaves(weights)
-    reduced = jax.tree.leaves(grads.reduced)
-    n, m = len(g), len(o)
-    # Targets t: Optax-state leaves 0..m-1, then weights m..m+n-1 (jaxpr input n + t).
-    stored, src = (*plan.opt, *(plan.master or plan.params)), [*o, *w]
-    here = lambda x, s: view(to_device(plan, [x], [s]), [s])[0]
-    there = lambda x, s: to_host(plan, store([x], [s]), [s])[0]
-    keep = functools.partial(keep_if_finite, finite)
-    env = environment(split.jaxpr, g)
-    env |= {jin[n + j]: here(o[j], stored[j]) for j in split.shared}
-    evaluate(split, split.first, env)
-    new_o, new_p = [None] * m, [None] * n
-    for j in split.shared:  # counters: written from the global part
-        new_o[j] = there(keep(read(env, jout[n + j]), env[jin[n + j]]), stored[j])
+    o, w = jax.tree.leaves(opt_state), jax.tree.leaves(weights)
+    stream = _Stream(split, plan, precision, grads, functools.partial(keep_if_finite, finite))
+    new_o = stream.global_part(o)
+    sources = [*o, *w]  # stored leaf t: Optax-state leaves, then the weights
     pieces = [
         (b, cut)
         for b in split.buckets
         for cut in chunks.cuts(split, b, plan, plan.config.offload.stream_chunk) or (None,)
     ]
-    held: dict[int, jax.Array] = {}  # target -> its new stored value (chunks: so far)
-    written, pending = [], []  # targets per piece; the last piece's writes, not yet applied
     for k, (b, cut) in enumerate(pieces):
-        reads = [*b.opt, *(m + i for i in b.params)]
-        ins = [src[t] for t in reads]
-        j = k - _IN_FLIGHT  # the piece whose writes must be back before k copies in
-        tied, params = (written[j], pieces[j][0].params) if j >= 0 else ([], [])
+        ins = stream.copy_in(k, pieces, [sources[t] for t in stream.reads(b)])
+        stream.update(b, cut, ins)
+    return stream.results(new_o)
+
+
+class _Stream:
+    """The pieces of one offloaded update, in order, and what they have written so far.
+
+    ``held`` maps each stored leaf ``t`` (:attr:`Split.stored_ins`) to its new value (for a
+    chunked leaf, its chunks written so far); ``written`` lists each piece's stored leaves;
+    ``pending`` is the last piece's writes, put into ``held`` once the next piece's copies
+    are tied to them; ``new_p`` is the new parameter leaves on the device."""
+
+    def __init__(
+        self, split: Split, plan: Plan, precision: Precision, grads: Gradients, keep: Any
+    ) -> None:
+        self.split, self.plan, self.precision = split, plan, precision
+        self.grads, self.keep = grads, keep
+        self.stored = (*plan.opt, *(plan.master or plan.params))
+        self.held: dict[int, jax.Array] = {}
+        self.written: list[list[int]] = []
+        self.pending: list = []
+        self.new_p: list[Any] = [None] * len(plan.params)
+
+    def here(self, x: jax.Array, t: int) -> jax.Array:
+        s = self.stored[t]
+        return view(to_device(self.plan, [x], [s]), [s])[0]
+
+    def there(self, x: jax.Array, t: int) -> jax.Array:
+        s = self.stored[t]
+        return to_host(self.plan, store([x], [s]), [s])[0]
+
+    def reads(self, b: Bucket) -> list[int]:
+        """The stored leaves bucket ``b`` copies in: its state, then its weights."""
+        return [*b.opt, *(len(self.plan.opt) + i for i in b.params)]
+
+    def global_part(self, o: list) -> list:
+        """Evaluates the update's global part on the device from the averaged gradients;
+        the new Optax-state leaves it writes (the counters), None for the others."""
+        split = self.split
+        self.env = environment(split.jaxpr, jax.tree.leaves(self.grads.averaged))
+        self.env |= {split.state_ins[j]: self.here(o[j], j) for j in split.shared}
+        evaluate(split, split.first, self.env)
+        new_o = [None] * len(o)
+        for j in split.shared:
+            new = self.keep(read(self.env, split.state_outs[j]), self.env[split.state_ins[j]])
+            new_o[j] = self.there(new, j)
+        return new_o
+
+    def copy_in(self, k: int, pieces: list, ins: list) -> list:
+        """Piece ``k`` 's inputs, copied in only once piece k-2 is back and its parameters
+        are written (else XLA fuses each piece's parameter step into the assembly and runs
+        them all last, every piece's new state held on the device until then); the last
+        piece's writes are then put in place, one chain per buffer."""
+        j = k - _IN_FLIGHT
+        tied, params = (self.written[j], pieces[j][0].params) if j >= 0 else ([], [])
         if tied or params:
-            # copy in once piece k-2 is back and its parameters are written (else XLA
-            # fuses each piece's parameter step into the assembly and runs them all last,
-            # every piece's new state held on the device until then)
             ins, back, new = jax.lax.optimization_barrier(
-                (ins, [held[t] for t in tied], [new_p[i] for i in params])
+                (ins, [self.held[t] for t in tied], [self.new_p[i] for i in params])
             )
-            held.update(zip(tied, back))
+            self.held.update(zip(tied, back))
             for i, x in zip(params, new):
-                new_p[i] = x
-        _apply(pending, held, stored, plan)  # after the barrier: one chain per buffer
+                self.new_p[i] = x
+        _apply(self.pending, self.held, self.stored, self.plan)
+        return ins
+
+    def update(self, b: Bucket, cut: Cut | None, ins: list) -> None:
+        """Bucket ``b`` (whole, or ``cut`` 's chunk) evaluated on its copied-in ``ins``:
+        its new state and master weights pending, its new parameters written."""
+        split, plan, keep = self.split, self.plan, self.keep
         given = {
-            jin[n + t]: here(x if cut is None else cut.take(x), stored[t])
-            for t, x in zip(reads, ins)
+            split.stored_ins[t]: self.here(x if cut is None else cut.take(x), t)
+            for t, x in zip(self.reads(b), ins)
         }
-        whole = env
+        whole = self.env
         if cut is not None:  # the gradient's chunk averaged from the reduced sums
-            whole = env | {
-                jin[i]: _Averaged(reduced[i], grads.denominator, plan.params[i].layout)
+            reduced, denominator = jax.tree.leaves(self.grads.reduced), self.grads.denominator
+            whole = self.env | {
+                split.grad_ins[i]: _Averaged(reduced[i], denominator, plan.params[i].layout)
                 for i in b.params
             }
         value = _run(split, b, whole, given, cut)
-        pending = []
+        self.pending = []
         for j in b.opt:
-            new = keep(value(jout[n + j]), given[jin[n + j]])
-            pending.append((j, cut, there(new, stored[j])))
+            new = keep(value(split.state_outs[j]), given[split.state_ins[j]])
+            self.pending.append((j, cut, self.there(new, j)))
         for i in b.params:
-            old = given[jin[n + m + i]]
-            new = keep(optax.apply_updates(old, value(jout[i])), old)
-            new_p[i] = _assemble(new_p[i], precision.cast(new), cut, plan.params[i])
+            old = given[split.weight_ins[i]]
+            new = keep(optax.apply_updates(old, value(split.update_outs[i])), old)
+            cast = self.precision.cast(new)
+            self.new_p[i] = _assemble(self.new_p[i], cast, cut, plan.params[i])
             if plan.master is not None:
-                pending.append((m + i, cut, there(new, stored[m + i])))
-        written.append([t for t, _, _ in pending])
-    _apply(pending, held, stored, plan)
-    new_o = [held.get(j, x) for j, x in enumerate(new_o)]
-    master = None
-    if plan.master is not None:
-        master = jax.tree.unflatten(plan.params_def, [held[m + i] for i in range(n)])
-    return (
-        jax.tree.unflatten(plan.params_def, new_p),
-        jax.tree.unflatten(plan.opt_def, new_o),
-        master,
-    )
+                t = len(plan.opt) + i
+                self.pending.append((t, cut, self.there(new, t)))
+        self.written.append([t for t, _, _ in self.pending])
+
+    def results(self, new_o: list) -> tuple[Any, Any, Any]:
+        """The last writes put in place: ``(params, opt_state, master)``."""
+        plan, m = self.plan, len(self.plan.opt)
+        _apply(self.pending, self.held, self.stored, plan)
+        new_o = [self.held.get(j, x) for j, x in enumerate(new_o)]
+        master = None
+        if plan.master is not None:
+            master = [self.held[m + i] for i in range(len(plan.params))]
+            master = jax.tree.unflatten(plan.params_def, master)
+        return (
+            jax.tree.unflatten(plan.params_def, self.new_p),
+            jax.tree.unflatten(plan.opt_def, new_o),
+            master,
+        )
 
 
 class _Averaged(NamedTuple):

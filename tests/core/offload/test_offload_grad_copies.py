@@ -22,8 +22,7 @@ import pytest
 
 import jzero
 from jzero.core.comm import reducer
-from jzero.core.comm.reducer import Reducer, copies_in_backward
-from jzero.core.grad_reduction import copied_in_backward
+from jzero.core.comm.reducer import Reducer, makes_host_copies
 
 L, D = 4, 64
 ON_HOST = jzero.Offload(optimizer="host")
@@ -127,7 +126,7 @@ def test_which_configurations_copy_in_backward(stage, offload, kwargs, copies):
     step = kwargs.pop("step", None)
     config = _opt(stage, offload, **kwargs).config
     config = config if step is None else dataclasses.replace(config, step=step)
-    assert copies_in_backward(config) is copies
+    assert makes_host_copies(config) is copies
 
 
 CASES = {
@@ -155,11 +154,11 @@ def test_the_copies_change_no_number(monkeypatch, stage, model, case, comm):
     params, loss = MODELS[model]()
     opt = _opt(stage, CASES[case], comm=comm)
     state, with_copies = opt.init(params), opt.train_step(loss, donate=False)
-    assert any(copied_in_backward(state.plan, Reducer.of(opt.config)))
+    assert any(Reducer.of(opt.config).host_copied(state.plan))
     with monkeypatch.context() as patch:
-        patch.setattr(reducer, "copies_in_backward", lambda config: False)
+        patch.setattr(reducer, "makes_host_copies", lambda config: False)
         after_backward = opt.train_step(loss, donate=False)  # its Reducer: no copies
-        assert not any(copied_in_backward(state.plan, Reducer.of(opt.config)))
+        assert not any(Reducer.of(opt.config).host_copied(state.plan))
     for _ in range(3):
         got, _ = with_copies(state, BATCH)
         want, _ = after_backward(state, BATCH)
