@@ -158,6 +158,24 @@ def reference(
     return Reference(params, opt_state, losses, model_state)
 
 
+def run_steps(step: Callable, state: Any, batches: list[Any]) -> tuple[Any, list[float]]:
+    """``step`` over ``batches`` from ``state``: the last state and every step's loss."""
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def assert_trains_as(ref: Reference, step: Callable, state: Any, full: Callable, batches) -> None:
+    """``step`` over ``batches`` agrees with single-device Optax (``ref``) to fp32
+    rounding: every loss, and the parameters at the end (``full(state)``, whole)."""
+    state, losses = run_steps(step, state, batches)
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(full(state)), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 def assert_tree_close(got: Any, want: Any, *, rtol: float, atol: float) -> None:
     """Leaf by leaf (in tree order, so e.g. a pure dict matches an ``nnx.State``): the same
     shapes and dtypes, values close."""

@@ -3,11 +3,13 @@
 memory kinds a tree's leaves rest in."""
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _models import assert_tree_close
 
 import jzero
 
@@ -37,11 +39,13 @@ def full_parts(opt, state):
 FP16 = jzero.Precision(param_dtype=jnp.float16, initial_loss_scale=2.0**10)
 
 
-def assert_overflow_skipped_as_without_offload(make_opt, params, loss_fn, batches) -> None:
+def assert_overflow_skipped_as_without_offload(
+    make_opt, params, loss_fn, batches, offloaded: Any = "optimizer"
+) -> None:
     """Batches (good, overflowing, good) at fp16: the offloaded optimizer
     (``make_opt(offload)``) skips the same step and ends bitwise where the other one does."""
     finals, skipped = [], []
-    for offload in (None, "optimizer"):
+    for offload in (None, offloaded):
         opt = make_opt(offload)
         state, step = opt.init(params), opt.train_step(loss_fn)
         history = []
@@ -53,6 +57,28 @@ def assert_overflow_skipped_as_without_offload(make_opt, params, loss_fn, batche
     assert skipped == [[0, 1, 0], [0, 1, 0]]
     for got, want in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[0])):
         np.testing.assert_array_equal(got, want)
+
+
+def assert_as_without_offload(opt, state, losses, plain, plain_losses) -> None:
+    """An offloaded run (``state``, ``losses``) is the run without offload (``plain``,
+    ``plain_losses``) in another memory: the same layout, losses and parts, bitwise."""
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
+        assert got.sharding.spec == want.sharding.spec  # the same layout, another memory
+        assert got.addressable_data(0).shape == want.addressable_data(0).shape
+    assert losses == plain_losses
+    for got, want in zip(
+        jax.tree.leaves(full_parts(opt, state)), jax.tree.leaves(full_parts(opt, plain))
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
+def assert_as_reference(opt, state, losses, ref) -> None:
+    """An fp32 offloaded run agrees with single-device Optax (``ref``) to rounding: its
+    losses, parameters and Optax state."""
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6)
+    params, opt_state, _ = full_parts(opt, state)
+    assert_tree_close(params, ref.params, rtol=1e-6, atol=1e-6)
+    assert_tree_close(opt_state, ref.opt_state, rtol=1e-6, atol=1e-6)
 
 
 HOST_BF16 = jzero.Precision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import reference
+from _models import reference, run_steps
 
 import jzero
 from jzero.accounting import collectives
@@ -102,10 +102,7 @@ def test_remat_layer_matches_single_device_optax(model, stage):
     opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage)
     state = opt.init(make_params())
     step = opt.train_step(loss, manual_gather=True)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
+    state, losses = run_steps(step, state, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

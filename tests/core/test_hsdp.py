@@ -19,6 +19,7 @@ from _models import (
     awkward_loss,
     awkward_params,
     reference,
+    run_steps,
     stacked_batch,
     stacked_loss,
     stacked_params,
@@ -102,10 +103,7 @@ def test_data_major_mesh_and_a_model_axis():
         opt = jzero.ZeroOptimizer(TXS["adam"](), mesh, stage=3, min_shard_size=1, param_specs=specs)
         state = opt.init(awkward_params())
         step = opt.train_step(awkward_loss)
-        losses = []
-        for batch in awkward_batches(STEPS):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        state, losses = run_steps(step, state, awkward_batches(STEPS))
         np.testing.assert_allclose(losses, ref.losses, rtol=RTOL, atol=ATOL)
         _close(opt.full_params(state), ref.params, RTOL, ATOL)
         if specs:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import _models
 import jax
@@ -36,12 +35,11 @@ from _models import (
     stacked_loss,
     stacked_params,
 )
-from jax.sharding import PartitionSpec as P
+from _quantized_gather import SHAPES, abs_dot, check_gathers, dequantized
 
 import jzero
 from jzero.accounting import collectives, comm_bytes
-from jzero.core.comm.collectives import all_gather
-from jzero.core.comm.quantize import dequantize, quantize, quantized_all_gather
+from jzero.core.comm.quantize import dequantize, quantize
 from jzero.core.leaf_layout import leaf_layout
 from jzero.core.options.communication import Quant
 
@@ -146,41 +144,11 @@ def test_per_block_scales_against_one_per_tensor_and_fp8_against_int8():
         print(f"{name}: {a:.3e}, {b:.3e}")  # blocks of 256, one scale per shard
 
 
-SHAPES = [(16, 24), (24,), (5, 3), (7,), (4, 9, 16), (3, 300)]  # padded, dims 0/1/2, >1 block
-
-
 def test_fp8_all_gather_sends_each_shard_roundtripped():
     """Each leaf equals the exact gather of every device's round-tripped shard, alone or
     in a bucket (blocks never straddle two leaves); the values travel as u8 bytes."""
     lays = [leaf_layout(s, N, min_shard_size=0) for s in SHAPES]
-    keys = jax.random.split(jax.random.key(1), len(lays))
-    shards = [jax.random.normal(k, lay.padded) for k, lay in zip(keys, lays)]
-    quant = Quant("fp8", 64)
-
-    def body(shards):
-        exact = []
-        for x, lay in zip(shards, lays):
-            moved = jnp.moveaxis(x, lay.axis(x), 0)
-            x_hat = _roundtrip(moved.reshape(-1), quant.block)[0].reshape(moved.shape)
-            exact.append(all_gather(jnp.moveaxis(x_hat, 0, lay.axis(x)), lay))
-        alone = [quantized_all_gather([x], [lay], quant=quant)[0] for x, lay in zip(shards, lays)]
-        return exact, alone, quantized_all_gather(shards, lays, quant=quant)
-
-    run = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=jzero.data_mesh(),
-            in_specs=([lay.data_spec() for lay in lays],),
-            out_specs=([P()] * len(lays),) * 3,
-            check_vma=False,
-        )
-    )
-    for exact, alone, bucketed, lay in zip(*run(shards), lays):
-        assert alone.shape == lay.shape
-        np.testing.assert_array_equal(alone, exact)
-        np.testing.assert_array_equal(bucketed, exact)
-    colls = collectives(run.lower(shards).compile().as_text())
-    assert {c.dtype for c in colls if c.kind == "all-gather"} == {"u8", "f32"}
+    assert check_gathers(lays, Quant("fp8", 64), _roundtrip) == {"u8", "f32"}
 
 
 def _step(param_dtype, gather_quant):
@@ -231,37 +199,6 @@ def test_fp8_gathers_send_a_quarter_of_fp32_plus_scales(param_dtype):
     print(f"fp8 gathers of {jnp.dtype(param_dtype).name} parameters: {ratio:.4f}x the bytes")
 
 
-def _dequantized(state: jzero.ZeroState, quant: Quant, *, per_layer: Callable[[str], bool]) -> dict:
-    """The parameters as a quantized stage-3 gather delivers them: each device's shard
-    round-tripped (a stacked leaf, ``per_layer(its key path)``, one layer at a time, as
-    stage 3 gathers it in a scan)."""
-    plan = state.plan
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
-
-    def body(leaves):
-        out = []
-        for x, lay, path in zip(leaves, plan.layouts, paths, strict=True):
-            one = lambda s, lay=lay: quantized_all_gather([s], [lay], quant=quant)[0]
-            if not lay.sharded:
-                out.append(x)
-            elif per_layer(path):
-                out.append(jnp.stack([one(x[i]) for i in range(x.shape[0])]))
-            else:
-                out.append(one(x))
-        return out
-
-    run = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=plan.mesh,
-            in_specs=([lay.data_spec() for lay in plan.layouts],),
-            out_specs=[P()] * len(plan.layouts),
-            check_vma=False,
-        )
-    )
-    return jax.tree.unflatten(plan.params_def, run(jax.tree.leaves(state.params)))
-
-
 _remat_block = jzero.remat_layer(lambda p, x_BxD: jnp.tanh(x_BxD @ p["w"] + p["b"]))
 
 
@@ -286,11 +223,6 @@ PATHS = {
     "remat_layer": (stacked_params, remat_loss, stacked_batch, {"manual_gather": True}),
 }
 STEPS, LR = 4, 0.5
-
-
-def _abs_dot(a: dict, b: dict) -> float:
-    """sum |a| * |b| over every element of two trees."""
-    return float(sum(np.sum(np.abs(x) * np.abs(y)) for x, y in zip(*map(jax.tree.leaves, (a, b)))))
 
 
 def _fp8_bound(params: dict) -> dict:
@@ -319,7 +251,7 @@ def test_every_path_steps_at_the_dequantized_params_within_the_bound(path):
     first, worst = None, 0.0
     for _ in range(STEPS):
         params = opt.full_params(state)
-        w_hat = _dequantized(state, FP8.gather_quantizer, per_layer=per_layer)
+        w_hat = dequantized(state, FP8.gather_quantizer, per_layer=per_layer)
         state, metrics = step(state, batch)
 
         loss_hat, grads_hat = value_and_grad(w_hat, batch)
@@ -327,17 +259,27 @@ def test_every_path_steps_at_the_dequantized_params_within_the_bound(path):
         want = jax.tree.map(lambda w, g: w - LR * g, params, grads_hat)
         _models.assert_tree_close(opt.full_params(state), want, rtol=1e-5, atol=1e-6)
 
-        bound = _fp8_bound(params)
-        error = jax.tree.map(lambda h, w: np.abs(np.asarray(h, np.float64) - w), w_hat, params)
-        assert all(np.all(e <= b) for e, b in zip(*map(jax.tree.leaves, (error, bound))))
-        loss, grads = value_and_grad(params, batch)
-        moved, first_order = abs(float(loss_hat) - float(loss)), _abs_dot(grads, bound)
-        assert 0 < moved <= first_order
+        loss, moved, first_order = _within_first_order(
+            params, w_hat, loss_hat, batch, value_and_grad
+        )
         first, worst = float(loss) if first is None else first, max(worst, moved / first_order)
     last = float(value_and_grad(opt.full_params(state), batch)[0])
     print(f"{path}: exact loss {first:.4f} -> {last:.4f} after {STEPS} fp8-gathered steps; "
           f"each |L(ŵ) - L(w)| <= {worst:.3f} x its first-order bound")  # fmt: skip
     assert last < 0.9 * first  # a margin far beyond the per-step bounds (printed above)
+
+
+def _within_first_order(params, w_hat, loss_hat, batch, value_and_grad) -> tuple:
+    """Checks each dequantized element of ``w_hat`` is within :func:`_fp8_bound` of
+    ``params`` and ``loss_hat`` (the loss at ``w_hat``) moved from the exact loss by at
+    most the first-order bound; ``(exact loss, |moved|, that bound)``."""
+    bound = _fp8_bound(params)
+    error = jax.tree.map(lambda h, w: np.abs(np.asarray(h, np.float64) - w), w_hat, params)
+    assert all(np.all(e <= b) for e, b in zip(*map(jax.tree.leaves, (error, bound))))
+    loss, grads = value_and_grad(params, batch)
+    moved, first_order = abs(float(loss_hat) - float(loss)), abs_dot(grads, bound)
+    assert 0 < moved <= first_order
+    return loss, moved, first_order
 
 
 @pytest.mark.parametrize("at", SNAPSHOTS)
@@ -349,7 +291,7 @@ def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at
     params, batch = exact_snapshot(at)
     opt, step = sgd_step(FP8)
     state = opt.init(params)
-    w_hat = _dequantized(state, FP8.gather_quantizer, per_layer=lambda p: "blocks" in p)
+    w_hat = dequantized(state, FP8.gather_quantizer, per_layer=lambda p: "blocks" in p)
     state, metrics = step(state, batch)
 
     loss_hat, grads_hat = lm_value_and_grad(w_hat, batch)  # one device, the whole batch
@@ -357,12 +299,9 @@ def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at
     want = jax.tree.map(lambda w, g: w - g, params, grads_hat)  # sgd(1.0)
     _models.assert_tree_close(opt.full_params(state), want, rtol=1e-5, atol=1e-6)
 
-    bound = _fp8_bound(params)
-    error = jax.tree.map(lambda h, w: np.abs(np.asarray(h, np.float64) - w), w_hat, params)
-    assert all(np.all(e <= b) for e, b in zip(*map(jax.tree.leaves, (error, bound))))
-    loss, grads = lm_value_and_grad(params, batch)
-    moved, first_order = abs(float(loss_hat) - float(loss)), _abs_dot(grads, bound)
-    assert 0 < moved <= first_order
+    loss, moved, first_order = _within_first_order(
+        params, w_hat, loss_hat, batch, lm_value_and_grad
+    )
     print(f"after {at} steps: loss {float(loss):.4f}, fp8-gathered {float(loss_hat):.4f}; "
           f"|difference| {moved:.2e} <= first-order bound {first_order:.2e}")  # fmt: skip
 

@@ -21,6 +21,7 @@ from _models import (
     awkward_params,
     make_tx,
     reference,
+    run_steps,
     stacked_batch,
     stacked_loss,
     stacked_params,
@@ -292,10 +293,7 @@ def test_a_model_axis_is_left_alone():
     )  # fmt: skip
     state = opt.init(awkward_params())
     step = opt.train_step(awkward_loss)
-    losses = []
-    for batch in awkward_batches(STEPS):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, state, awkward_batches(STEPS))
     ref = _reference("mlp", SGD)
     np.testing.assert_allclose(losses, ref.losses, rtol=RTOL, atol=ATOL)
     _close(opt.full_params(state), ref.params)

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
 
 import _models
 import jax
@@ -42,12 +41,11 @@ from _models import (
     stacked_loss,
     stacked_params,
 )
-from jax.sharding import PartitionSpec as P
+from _quantized_gather import SHAPES, abs_dot, check_gathers, dequantized
 
 import jzero
 from jzero.accounting import collectives, comm_bytes
-from jzero.core.comm.collectives import all_gather
-from jzero.core.comm.quantize import dequantize, quantize, quantized_all_gather
+from jzero.core.comm.quantize import dequantize, quantize
 from jzero.core.leaf_layout import leaf_layout
 from jzero.core.options.communication import Quant
 
@@ -78,73 +76,12 @@ def test_roundtrip_error_is_at_most_half_a_step():
     assert bool(jnp.all(q[1:] == 0)) and bool(jnp.all(scale[1:] == 0))
 
 
-SHAPES = [(16, 24), (24,), (5, 3), (7,), (4, 9, 16), (3, 300)]  # padded, dims 0/1/2, >1 block
-
-
 def test_quantized_all_gather_sends_each_shard_roundtripped():
     """Each leaf equals the exact gather of every device's round-tripped shard, alone or
     in a bucket (blocks never straddle two leaves)."""
     lays = [leaf_layout(s, N, min_shard_size=0) for s in SHAPES]
     assert {lay.dim for lay in lays} >= {0, 1} and any(lay.pad for lay in lays)
-    keys = jax.random.split(jax.random.key(1), len(lays))
-    shards = [jax.random.normal(k, lay.padded) for k, lay in zip(keys, lays)]
-    quant = Quant("int8", 64)
-
-    def body(shards):
-        exact = []
-        for x, lay in zip(shards, lays):
-            moved = jnp.moveaxis(x, lay.axis(x), 0)
-            x_hat = _roundtrip(moved.reshape(-1), quant.block)[0].reshape(moved.shape)
-            exact.append(all_gather(jnp.moveaxis(x_hat, 0, lay.axis(x)), lay))
-        alone = [quantized_all_gather([x], [lay], quant=quant)[0] for x, lay in zip(shards, lays)]
-        return exact, alone, quantized_all_gather(shards, lays, quant=quant)
-
-    run = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=jzero.data_mesh(),
-            in_specs=([lay.data_spec() for lay in lays],),
-            out_specs=([P()] * len(lays),) * 3,
-            check_vma=False,
-        )
-    )
-    for exact, alone, bucketed, lay in zip(*run(shards), lays):
-        assert alone.shape == lay.shape
-        np.testing.assert_array_equal(alone, exact)
-        np.testing.assert_array_equal(bucketed, exact)
-    colls = collectives(run.lower(shards).compile().as_text())
-    assert {c.dtype for c in colls if c.kind == "all-gather"} == {"s8", "f32"}
-
-
-def _dequantized(state: jzero.ZeroState, quant: Quant, *, per_layer: Callable[[str], bool]) -> dict:
-    """The parameters as a quantized stage-3 gather delivers them: each device's shard
-    round-tripped (a stacked leaf, ``per_layer(its key path)``, one layer at a time, as
-    stage 3 gathers it in a scan)."""
-    plan = state.plan
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
-
-    def body(leaves):
-        out = []
-        for x, lay, path in zip(leaves, plan.layouts, paths, strict=True):
-            one = lambda s, lay=lay: quantized_all_gather([s], [lay], quant=quant)[0]
-            if not lay.sharded:
-                out.append(x)
-            elif per_layer(path):
-                out.append(jnp.stack([one(x[i]) for i in range(x.shape[0])]))
-            else:
-                out.append(one(x))
-        return out
-
-    run = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=plan.mesh,
-            in_specs=([lay.data_spec() for lay in plan.layouts],),
-            out_specs=[P()] * len(plan.layouts),
-            check_vma=False,
-        )
-    )
-    return jax.tree.unflatten(plan.params_def, run(jax.tree.leaves(state.params)))
+    assert check_gathers(lays, Quant("int8", 64), _roundtrip) == {"s8", "f32"}
 
 
 # (model, step options): stage 3's default per-layer gathering, bucketed, prefetched, and
@@ -173,7 +110,7 @@ def test_gradients_are_those_at_the_dequantized_params(path):
     state, batch = opt.init(init()), batch_fn()
     params = opt.full_params(state)
     stacked = model == "stacked"
-    w_hat = _dequantized(state, INT8.gather_quantizer, per_layer=lambda _: stacked)
+    w_hat = dequantized(state, INT8.gather_quantizer, per_layer=lambda _: stacked)
     step = opt.train_step(loss_fn, **options)
     state, _ = step(state, batch)
 
@@ -262,11 +199,6 @@ def test_quantized_gathers_below_stage_3_are_refused():
         jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=2, comm=INT8)
 
 
-def _abs_dot(a: dict, b: dict) -> float:
-    """sum |a| * |b| over every element of two trees."""
-    return float(sum(np.sum(np.abs(x) * np.abs(y)) for x, y in zip(*map(jax.tree.leaves, (a, b)))))
-
-
 @pytest.mark.parametrize("at", SNAPSHOTS)
 def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at):
     """From the exact AdamW run's state after ``at`` steps, one int8-gathered step of the
@@ -279,7 +211,7 @@ def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at
     params, batch = exact_snapshot(at)
     opt, step = sgd_step(INT8)
     state = opt.init(params)
-    w_hat = _dequantized(state, INT8.gather_quantizer, per_layer=lambda p: "blocks" in p)
+    w_hat = dequantized(state, INT8.gather_quantizer, per_layer=lambda p: "blocks" in p)
     state, metrics = step(state, batch)
 
     loss_hat, grads_hat = value_and_grad(w_hat, batch)  # one device, the whole batch
@@ -291,7 +223,7 @@ def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at
     for e, w in zip(*map(jax.tree.leaves, (error, params))):
         assert e.max() <= np.abs(w).max() / 254 * (1 + 1e-6)  # a block's absmax <= the leaf's
     loss, grads = value_and_grad(params, batch)
-    bound = _abs_dot(grads, error)
+    bound = abs_dot(grads, error)
     moved = abs(float(loss_hat) - float(loss))
     assert 0 < moved <= bound
     print(f"after {at} steps: loss {float(loss):.4f}, int8-gathered {float(loss_hat):.4f}; "

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import pytest
 from _hlo_text import all_gathers, loop_bodies
-from _models import reference, regression_batches
+from _models import reference, regression_batches, run_steps
 
 import jzero
 from jzero.accounting import dot_flops
@@ -166,10 +166,7 @@ def test_keeping_activations_takes_more_temp_memory_than_recomputing():
 def test_prefetch_matches_single_device_optax(mode):
     ref = reference(TX(), params(), scan_loss, batches())
     opt, state, step = _step(mode)
-    losses = []
-    for batch in batches():
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    state, losses = run_steps(step, state, batches())
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(opt.full_params(state)), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

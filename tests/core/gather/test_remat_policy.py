@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import reference
+from _models import reference, run_steps
 
 import jzero
 from jzero.accounting import collectives, dot_flops
@@ -153,10 +153,7 @@ def test_keep_matches_single_device_optax_and_recompute(model):
         opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=3)
         state = opt.init(make_params(scanned))
         step = opt.train_step(make_loss(BLOCKS[mode], scanned), manual_gather=True)
-        losses = []
-        for batch in batches:
-            state, metrics = step(state, batch)
-            losses.append(metrics["loss"])
+        state, losses = run_steps(step, state, batches)
         np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
         finals[mode] = jax.tree.leaves(opt.full_params(state))
         for a, b in zip(finals[mode], jax.tree.leaves(ref.params)):

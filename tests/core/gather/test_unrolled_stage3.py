@@ -17,17 +17,17 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from _hlo_text import all_gathers
-from _models import reference, regression_batches
+from _models import assert_trains_as, reference, regression_batches
+from _residual_block import D, H, NNXBlock
 from flax import nnx
 
 import jzero
 from jzero.accounting import dot_flops
 
-N, L, D, H, B = 8, 8, 256, 1024, 64
+N, L, B = 8, 8, 64
 LAYER = 2 * D * H  # parameters per layer
 TX = lambda: optax.adam(1e-3, eps=1e-4)  # eps above the gradients' fp32 rounding noise
 
@@ -93,18 +93,9 @@ class LinenModel(nn.Module):
         return x_BxD
 
 
-class NNXMLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.Linear(D, H, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(H, D, use_bias=False, rngs=rngs)
-
-    def __call__(self, x_BxD):
-        return x_BxD + self.down(jnp.tanh(self.up(x_BxD)))
-
-
 class NNXModel(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
-        self.blocks = nnx.List([NNXMLP(rngs) for _ in range(L)])
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(L)])
 
     def __call__(self, x_BxD):
         for block in self.blocks:
@@ -207,14 +198,7 @@ def test_flops_within_one_percent_of_the_whole_model_gather(model):
 
 
 def assert_matches_single_device_optax(state, step, full, params, loss):
-    ref = reference(TX(), params, loss, batches())
-    losses = []
-    for batch in batches():
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(full(state)), jax.tree.leaves(ref.params)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert_trains_as(reference(TX(), params, loss, batches()), step, state, full, batches())
 
 
 @pytest.mark.parametrize("model", MODELS)

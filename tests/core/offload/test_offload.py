@@ -36,6 +36,8 @@ from _offload import (
     FP16,
     HOST,
     TXS,
+    assert_as_reference,
+    assert_as_without_offload,
     assert_overflow_skipped_as_without_offload,
     full_parts,
     memory_kinds,
@@ -72,14 +74,7 @@ def test_offloaded_state_rests_on_host_and_matches_the_device_run(stage, tx):
     assert memory_kinds((state.opt_state, state.master)) == {HOST}
     assert memory_kinds(state.params) == {"device"}
     _, _, _, plain, plain_losses = _run(stage, tx, None)
-    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
-        assert got.sharding.spec == want.sharding.spec  # the same layout, another memory
-        assert got.addressable_data(0).shape == want.addressable_data(0).shape
-    assert losses == plain_losses
-    for got, want in zip(
-        jax.tree.leaves(full_parts(opt, state)), jax.tree.leaves(full_parts(opt, plain))
-    ):
-        np.testing.assert_array_equal(got, want)
+    assert_as_without_offload(opt, state, losses, plain, plain_losses)
 
 
 @pytest.mark.parametrize(("tx", "streams"), [*[(k, True) for k in TXS][:3], ("adam_clip", False)])
@@ -161,10 +156,7 @@ def test_whole_tree_fallback_fp32_matches_single_device_optax():
     opt, _, at_init, state, losses = _run(2, "adam_clip", "optimizer", jzero.Precision())
     assert at_init == ({HOST}, {"device"}) and state.master is None
     ref = reference(TXS["adam_clip"], awkward_params(), awkward_loss, awkward_batches(5))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6)
-    params, opt_state, _ = full_parts(opt, state)
-    assert_tree_close(params, ref.params, rtol=1e-6, atol=1e-6)
-    assert_tree_close(opt_state, ref.opt_state, rtol=1e-6, atol=1e-6)
+    assert_as_reference(opt, state, losses, ref)
 
 
 def test_fp16_overflow_skips_the_offloaded_update():

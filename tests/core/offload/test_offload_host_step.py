@@ -15,8 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import assert_tree_close, awkward_batches, awkward_loss, awkward_params, reference
-from _offload import HOST, HOST_BF16, TXS, full_parts, memory_kinds, offload_opt, run_awkward
+from _models import awkward_batches, awkward_loss, awkward_params, reference
+from _offload import (
+    HOST,
+    HOST_BF16,
+    TXS,
+    assert_as_reference,
+    assert_as_without_offload,
+    assert_overflow_skipped_as_without_offload,
+    memory_kinds,
+    offload_opt,
+    run_awkward,
+)
 
 import jzero
 
@@ -44,14 +54,7 @@ def test_host_step_places_the_state_on_host_and_matches_the_device_run(stage, tx
     assert memory_kinds((state.opt_state, state.master)) == {HOST}
     assert memory_kinds(state.params) == {"device"}
     _, plain, plain_losses = _run(stage, tx, None)
-    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(plain)):
-        assert got.sharding.spec == want.sharding.spec  # the same layout, another memory
-        assert got.addressable_data(0).shape == want.addressable_data(0).shape
-    assert losses == plain_losses
-    for got, want in zip(
-        jax.tree.leaves(full_parts(opt, state)), jax.tree.leaves(full_parts(opt, plain))
-    ):
-        np.testing.assert_array_equal(got, want)
+    assert_as_without_offload(opt, state, losses, plain, plain_losses)
 
 
 def test_host_step_fp32_matches_single_device_optax():
@@ -59,28 +62,16 @@ def test_host_step_fp32_matches_single_device_optax():
     opt, state, losses = _run(2, "clip_adamw", ON_HOST, jzero.Precision())
     assert state.master is None and memory_kinds(state.opt_state) == {HOST}
     ref = reference(TXS["clip_adamw"], awkward_params(), awkward_loss, awkward_batches(4))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6)
-    params, opt_state, _ = full_parts(opt, state)
-    assert_tree_close(params, ref.params, rtol=1e-6, atol=1e-6)
-    assert_tree_close(opt_state, ref.opt_state, rtol=1e-6, atol=1e-6)
+    assert_as_reference(opt, state, losses, ref)
 
 
 def test_fp16_overflow_skips_the_host_update_as_without_offload():
     good, bad = awkward_batches(2)
     bad = {"x": (bad["x"] * 1e4).astype(jnp.float16), "y": bad["y"]}  # overflows fp16
-    finals, skipped = [], []
-    for offload in (None, ON_HOST):
-        opt = _opt(2, "adam", offload, FP16)
-        state, step = opt.init(awkward_params()), opt.train_step(awkward_loss)
-        history = []
-        for batch in (good, bad, good):
-            state, metrics = step(state, batch)
-            history.append(int(metrics["skipped"]))
-        finals.append(full_parts(opt, state))
-        skipped.append(history)
-    assert skipped == [[0, 1, 0], [0, 1, 0]]
-    for got, want in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[0])):
-        np.testing.assert_array_equal(got, want)
+    make_opt = lambda offload: _opt(2, "adam", offload, FP16)
+    assert_overflow_skipped_as_without_offload(
+        make_opt, awkward_params(), awkward_loss, (good, bad, good), ON_HOST
+    )
 
 
 def test_each_leaf_is_updated_in_its_own_host_computation():
