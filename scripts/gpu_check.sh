@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check (scripts/gpu_check.py; --help lists the pieces): with $PYTHON if set, else
-# the repository's venv when there is one, else the system python3, the checkout on
-# PYTHONPATH (the lent GPU machine has jax, flax, optax and orbax installed, no network).
+# The GPU check (the package scripts/gpu_check/; --help lists the pieces): with $PYTHON if
+# set, else the repository's venv when there is one, else the system python3, the
+# checkout and scripts/ on PYTHONPATH (the lent GPU machine has jax, flax, optax and orbax
+# installed, no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -n "${PYTHON:-}" ]]; then
@@ -11,4 +12,4 @@ elif [[ -x .venv/bin/python ]]; then
 else
     PY=python3
 fi
-PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" scripts/gpu_check.py "$@"
+PYTHONPATH=".:scripts${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m gpu_check "$@"

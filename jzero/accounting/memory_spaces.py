@@ -25,7 +25,7 @@ buffers are read from their layouts like any other.
 This is the program's own account, in the order its compiler scheduled it. It does not
 model a GPU compiler that reorders copies differently from XLA:CPU's schedule, nor
 allocator fragmentation: on a GPU, compare with the allocator's ``peak_bytes_in_use``
-(``scripts/gpu_offload.py`` does).
+(``scripts/gpu_check/offload.py`` does).
 
 Examples:
   >>> compiled = jax.jit(step).lower(state, batch).compile()  # doctest: +SKIP

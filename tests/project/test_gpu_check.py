@@ -19,9 +19,7 @@ from _paths import REPO
 ROOT = REPO
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import gpu_check  # noqa: E402  (scripts/gpu_check.py)
-
-sys.path.insert(0, str(ROOT / "examples"))  # gpt.py, for the pieces' modules
+from gpu_check import catalog, driver  # noqa: E402  (scripts/gpu_check/)
 
 PARTS = {
     "offload": ["none", "streamed", "host_step", "host_step_params"],
@@ -63,7 +61,7 @@ def test_dry_run_writes_every_piece_with_checked_or_explained_targets(dry_run):
     done, doc = dry_run
     assert doc["dry_run"] is True
     assert doc["machine"].keys() >= MACHINE and doc["machine"]["platform"] == "cpu"
-    assert list(doc["pieces"]) == list(gpu_check.PIECES)
+    assert list(doc["pieces"]) == list(catalog.PIECES)
     for piece, parts in PARTS.items():
         assert list(doc["pieces"][piece]["parts"]) == parts
     for result in _results(doc):
@@ -131,33 +129,33 @@ def test_dry_run_agreement_compiles_for_compile_only_h200s_beside_the_cpu(dry_ru
 
 
 def test_only_selects_pieces_and_parts_in_order_and_refuses_unknown_names():
-    assert gpu_check._units("offload:host_step,n1") == [("n1", None), ("offload", "host_step")]
-    assert gpu_check._units("agreement") == [("agreement", None)]
+    assert catalog.units("offload:host_step,n1") == [("n1", None), ("offload", "host_step")]
+    assert catalog.units("agreement") == [("agreement", None)]
     with pytest.raises(ValueError, match="unknown 'offload:host'"):
-        gpu_check._units("offload:host")
+        catalog.units("offload:host")
     for retired in ("mock8", "mock8:overlap", "table2"):  # compile-only: asserted in CI
         with pytest.raises(ValueError, match="unknown"):
-            gpu_check._units(retired)
+            catalog.units(retired)
 
 
 def test_quick_runs_every_claim_once_within_one_ten_minute_command():
-    units = gpu_check._units(None, "quick")
+    units = catalog.units(None, "quick")
     assert units == [("n1", None), ("agreement", None), ("offload_fixed", "none"),
                      ("offload_fixed", "host_step"), ("offload_fixed", "streamed")]  # fmt: skip
-    assert sum(gpu_check.QUICK.values()) <= 10 * 60 - 60  # the machine probe and starts
+    assert sum(catalog.QUICK.values()) <= 10 * 60 - 60  # the machine probe and starts
     with pytest.raises(ValueError, match="--quick runs its own units"):
-        gpu_check._units("n1", "quick")
+        catalog.units("n1", "quick")
 
 
 def test_offload_speed_runs_p20s_gpu_figures_within_one_ten_minute_command():
-    units = gpu_check._units(None, "offload_speed")
+    units = catalog.units(None, "offload_speed")
     parts = ("none", "host_step", "host_delayed", "streamed", "ratio_half")
     assert units == [*(("offload_32k", p) for p in parts), ("host_rate", None)]
-    assert sum(gpu_check.OFFLOAD_SPEED.values()) <= 10 * 60 - 60
-    args = gpu_check.parse_args(["--offload-speed", "--dry-run"])
+    assert sum(catalog.OFFLOAD_SPEED.values()) <= 10 * 60 - 60
+    args = driver.parse_args(["--offload-speed", "--dry-run"])
     assert (args.preset, args.units) == ("offload_speed", units)
     with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--offload-speed", "--quick"])
+        driver.parse_args(["--offload-speed", "--quick"])
 
 
 @pytest.mark.slow
@@ -177,7 +175,7 @@ def test_dry_run_fixed_offload(dry_run):
 
 
 def test_fixed_offload_targets_compare_the_host_step_with_none():
-    import gpu_offload
+    from gpu_check import offload as gpu_offload
 
     def mode(peak, ms, compiled=None, at_rest=0):
         return {"allocator_peak_bytes": peak, "compiled_peak_bytes": compiled or peak,
@@ -206,7 +204,7 @@ def test_fixed_offload_targets_compare_the_host_step_with_none():
 
 
 def test_at_32k_tokens_each_offloaded_mode_is_held_to_its_share_of_none_s_time():
-    import gpu_offload
+    from gpu_check import offload as gpu_offload
 
     run = lambda ms, peak=100: {"train": {"step_ms_median": ms, "tokens_per_step": 32768},
                                 "allocator_peak_bytes": peak}  # fmt: skip
@@ -225,7 +223,7 @@ def test_at_32k_tokens_each_offloaded_mode_is_held_to_its_share_of_none_s_time()
 
 
 def test_the_streamed_step_is_bounded_by_its_copies_over_the_measured_link():
-    import gpu_offload
+    from gpu_check import offload as gpu_offload
 
     none = {"train": {"step_ms_median": 200.0}}
     link = {"down": 50e9, "up": 25e9}  # 10 GB of state: 200 ms down, 400 ms up
@@ -249,7 +247,7 @@ def _mode(params: int, host_bytes: int, ms: float, *, at_none: float | None = No
 
 
 def test_offload_targets_measure_against_the_pinned_host_limit_and_none_s_time():
-    import gpu_offload
+    from gpu_check import offload as gpu_offload
 
     parts = {
         "none": _mode(10**9, 0, 1.0),
@@ -279,8 +277,8 @@ def test_offload_targets_measure_against_the_pinned_host_limit_and_none_s_time()
 
 
 def test_agreement_compiles_gpu_compile_s_model():
-    import gpu_agreement
     import gpu_compile  # the programs CI asserts on (test_compiled_for_gpus)
+    from gpu_check import agreement as gpu_agreement
 
     gpu = gpu_agreement.SIZES["gpu"]
     assert gpu_agreement.config(gpu) == gpu_compile.CFG
@@ -288,7 +286,7 @@ def test_agreement_compiles_gpu_compile_s_model():
 
 
 def test_agreement_names_the_spec_of_each_lent_gpu():
-    import gpu_agreement
+    from gpu_check import agreement as gpu_agreement
 
     assert gpu_agreement.spec_name("NVIDIA H200") == "h200"
     assert gpu_agreement.spec_name("NVIDIA H100 80GB HBM3") == "h100"
@@ -300,8 +298,8 @@ def _agreement(monkeypatch, *, deviceless: dict | None, why: str | None = None) 
     100 000 bytes each, the compile-only GPUs' ``deviceless`` (or no such GPUs: ``why``)."""
     import types
 
-    import gpu_agreement
-    from gpu_common import Context
+    from gpu_check import agreement as gpu_agreement
+    from gpu_check.common import Context
 
     fake = [types.SimpleNamespace(device_kind="NVIDIA H200 141GB HBM3e")]
     real = {"temp": 10**5, "argument": 10**5, "output": 10**5, "alias": 0, "compile_s": 1.0}
@@ -350,8 +348,8 @@ def test_a_dry_run_refuses_to_overwrite_gpu_results(tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps({"dry_run": False, "pieces": {"n1": {"targets": []}}}))
     with pytest.raises(ValueError, match="holds GPU results"):
-        gpu_check._load(path, dry_run=True)
-    assert gpu_check._load(path, dry_run=False)["pieces"] == {"n1": {"targets": []}}
+        driver._load(path, dry_run=True)
+    assert driver._load(path, dry_run=False)["pieces"] == {"n1": {"targets": []}}
 
 
 def test_a_part_that_times_out_reports_what_it_had_written(monkeypatch):
@@ -359,8 +357,8 @@ def test_a_part_that_times_out_reports_what_it_had_written(monkeypatch):
         out, err = b"probe done\n", b"compiling zero3\n"
         raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=out, stderr=err)
 
-    monkeypatch.setattr(gpu_check.subprocess, "run", timeout)
-    args = gpu_check.argparse.Namespace(dry_run=False)
-    error = gpu_check._process(args, "agreement", REPO / "x.json", env={}, gpus=1, seconds=5)
+    monkeypatch.setattr(driver.subprocess, "run", timeout)
+    args = driver.argparse.Namespace(dry_run=False)
+    error = driver._process(args, "agreement", REPO / "x.json", env={}, gpus=1, seconds=5)
     assert error.startswith("timed out after 5 s: run it alone (--only agreement)"), error
     assert error.endswith("it had written:\ncompiling zero3\nprobe done\n"), error

@@ -1,8 +1,5 @@
-"""What the pieces of ``scripts/gpu_check.py`` share: targets, the piece's clock, the
-machine's description, and random-token batches for ``examples/gpt.py``'s GPT family.
-
-Imported in the process that runs one part (``scripts/gpu_part.py``), with ``examples/``
-and ``scripts/`` on ``sys.path``.
+"""What the GPU check's pieces share: targets, the piece's clock, the machine's
+description, and random-token batches for ``examples/gpt.py``'s GPT family.
 """
 
 from __future__ import annotations

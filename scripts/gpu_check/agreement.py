@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py``'s ``agreement`` piece: does the deviceless compile's memory
+"""The GPU check's ``agreement`` piece: does the deviceless compile's memory
 (``jzero.gpu_mesh``'s compile-only GPUs, what CI asserts on) agree with the real GPU's?
 
 The example GPT's jzero step (the model of ``scripts/gpu_compile.py``: 4 scanned,
@@ -36,11 +36,12 @@ import gpt  # examples/gpt.py
 import jax
 import jax.numpy as jnp
 import optax
-from gpu_common import Context, skip, target
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
+
+from .common import Context, skip, target
 
 AGREEMENT = 0.01
 """Each memory figure of the deviceless compile within 1 % of the real GPU's."""

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py``'s ``offload`` piece: per offload mode, the largest GPT of
+"""The GPU check's ``offload`` piece: per offload mode, the largest GPT of
 ``examples/gpt.py``'s family (more layers at a fixed width) whose stage-3 step runs, and
 its time per token.
 
@@ -38,11 +38,12 @@ import jax
 import jax.numpy as jnp
 import max_model  # scripts/max_model.py
 import offload_bench  # scripts/offload_bench.py
-from gpu_common import Context, skip, target
 
 import jzero
 from jzero.accounting.memory_spaces import replay
 from jzero.cli.units import parse_bytes
+
+from .common import Context, skip, target
 
 
 class Mode(NamedTuple):

@@ -27,11 +27,11 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
 ``piece:part`` picks parts):
 
 - ``n1``: one device, the GPT computing in bf16: step time of stages 0-3 against plain
-  ``jax.jit`` + Optax (target <= 1.02 x each; ``scripts/gpu_pieces.py``).
+  ``jax.jit`` + Optax (target <= 1.02 x each; ``scripts/gpu_check/timed.py``).
 - ``offload`` (parts ``none``, ``streamed``, ``host_step``, ``host_step_params``): per
   mode, the largest GPT of the family whose step runs and its ms per token; targets: the
   host-step model reaches >= 0.9 x the size the pinned-host limit allows, and at none's
-  size its ms per token <= 2 x none's (``scripts/gpu_offload.py``). Run ``none`` first.
+  size its ms per token <= 2 x none's (``scripts/gpu_check/offload.py``). Run ``none`` first.
 - ``prefetch``: stage 3 with and without prefetch under
   ``--xla_gpu_enable_latency_hiding_scheduler=true``: step times, and the same loss.
 - ``quant``: int8 and fp8 parameter gathers: the quantizer's error against its bound,
@@ -40,7 +40,7 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
   stages 0-3 compiled on the GPU present (N = 1) and on N compile-only GPUs of its kind
   (``jzero.gpu_mesh``'s spec, described through ``jax.experimental.topologies``): each
   stage's ``memory_analysis()`` (temporaries, arguments, outputs) within 1 % of the real
-  compile's (``scripts/gpu_agreement.py``). Compiles only; skipped with the reason when
+  compile's (``scripts/gpu_check/agreement.py``). Compiles only; skipped with the reason when
   the compile-only GPUs cannot be described there.
 - ``offload_fixed`` (parts ``none``, ``host_step``, ``streamed``, ``host_delayed``,
   ``ratio_half``): the modes trained at one fixed size, each in its own process: the
@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import subprocess
@@ -104,94 +103,23 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from .catalog import PIECES, PRESETS, Piece, units
+
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_JSON = ROOT / "benchmarks" / "gpu_check.json"
 DRY_JSON = Path(tempfile.gettempdir()) / "gpu_check_dry.json"
-PART = ROOT / "scripts" / "gpu_part.py"  # runs one part in its own process
-LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+SCRIPTS = ROOT / "scripts"
 DRY_NOTE = (
     "dry run: CPU at tiny sizes on a shared machine; its verdicts exercise the code paths, "
     "they are not the GPU's figures"
 )
 
 
-class Piece(NamedTuple):
-    """One piece of the check and how its process is started."""
-
-    function: str  # "module:function" under scripts/: f(ctx) or, with parts, f(ctx, part, earlier)
-    parts: tuple[str, ...] = ()  # each run in its own process; () one process
-    cpu_devices: int = 1  # forced CPU devices under --dry-run
-    xla_flags: str = ""  # added to XLA_FLAGS on GPU
-    summary: str | None = None  # "module:function": targets across the parts
-
-
-PIECES = {
-    "n1": Piece("gpu_pieces:n1"),
-    "offload": Piece(
-        "gpu_offload:run", parts=("none", "streamed", "host_step", "host_step_params"),
-        summary="gpu_offload:targets",
-    ),
-    "prefetch": Piece("gpu_pieces:prefetch", cpu_devices=8, xla_flags=LHS),
-    "quant": Piece("gpu_pieces:quant", cpu_devices=8),
-    "agreement": Piece("gpu_agreement:run"),
-    "offload_fixed": Piece(
-        "gpu_offload:fixed", parts=("none", "host_step", "streamed", "host_delayed", "ratio_half"),
-        summary="gpu_offload:fixed_targets",
-    ),
-    "offload_32k": Piece(
-        "gpu_offload:fixed_accum", parts=("none", "host_step", "streamed", "host_delayed",
-                                          "ratio_half"),
-        summary="gpu_offload:accum_targets",
-    ),
-    "host_rate": Piece("gpu_offload:host_rate"),
-}  # fmt: skip
-
-QUICK = {  # --quick: every claim once, within one 10-minute command; seconds per unit
-    ("n1", None): 170,
-    ("agreement", None): 90,  # estimated: eight compiles of a small GPT (no GPU ran it yet)
-    ("offload_fixed", "none"): 70,
-    ("offload_fixed", "host_step"): 85,
-    ("offload_fixed", "streamed"): 80,
-}  # fmt: skip
-"""495 s of parts, about 515 s with the machine probe and process starts: under 10 minutes."""
-
-OFFLOAD_SPEED = {  # --offload-speed: P20's section 5 in one 10-minute command (estimates:
-    ("offload_32k", "none"): 90,  # a 4 K-token part took 70-85 s on the H200, and a
-    ("offload_32k", "host_step"): 100,  # 32 K-token step of none is about 1.6 s)
-    ("offload_32k", "host_delayed"): 100,
-    ("offload_32k", "streamed"): 100,
-    ("offload_32k", "ratio_half"): 90,
-    ("host_rate", None): 60,
-}  # fmt: skip
-"""540 s of parts: ZeRO-Offload's speed at 32 K tokens a step and the host update's rate."""
-PRESETS = {"quick": QUICK, "offload_speed": OFFLOAD_SPEED}
-
-
-def _units(only: str | None, preset: str | None = None) -> list[tuple[str, str | None]]:
-    """``--only`` (or a preset, ``--quick`` or ``--offload-speed``) as ``(piece, part or
-    None)`` in the pieces' order; raises ValueError."""
-    every = [(p, part) for p, piece in PIECES.items() for part in piece.parts or (None,)]
-    if preset is not None:
-        if only is not None:
-            flag = "--" + preset.replace("_", "-")
-            raise ValueError(f"{flag} runs its own units; leave --only out")
-        return list(PRESETS[preset])
-    if only is None:
-        return every
-    wanted = set()
-    for item in only.split(","):
-        piece, _, part = item.strip().partition(":")
-        if piece not in PIECES or (part and part not in PIECES[piece].parts):
-            names = [p if q is None else f"{p}:{q}" for p, q in every]
-            raise ValueError(f"--only: unknown {item!r}; choose pieces {list(PIECES)} or {names}")
-        wanted |= {(p, q) for p, q in every if p == piece and (not part or q == part)}
-    return [u for u in every if u in wanted]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
+        prog="scripts/gpu_check.sh",
         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
@@ -221,22 +149,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--quick and --offload-speed are two commands: run one, then the other")
     args.preset = "quick" if args.quick else "offload_speed" if args.offload_speed else None
     try:
-        args.units = _units(args.only, args.preset)
+        args.units = units(args.only, args.preset)
     except ValueError as e:
         ap.error(str(e))
     return args
 
 
-def call(spec: str, *args: Any) -> Any:
-    """Calls ``"module:function"`` (a module under scripts/) with ``args``."""
-    module, _, function = spec.partition(":")
-    return getattr(importlib.import_module(module), function)(*args)
-
-
 # ------------------------------------------------------------------ the driver
 def _env(piece: Piece, machine: dict[str, Any]) -> dict[str, str]:
     """The part's environment: XLA flags and, on GPU, a pinned-host limit within RAM."""
-    env = dict(os.environ)
+    env = _with_scripts(os.environ)
     if machine["platform"] == "gpu":
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {piece.xla_flags}".strip()
         host_gib = machine["host_memory_bytes"] / 2**30
@@ -244,11 +166,18 @@ def _env(piece: Piece, machine: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+def _with_scripts(environ) -> dict[str, str]:
+    """``environ`` with ``scripts/`` (this package, bench.py) and the checkout on
+    ``PYTHONPATH``, for ``python -m gpu_check.part``."""
+    path = [str(SCRIPTS), str(ROOT), *filter(None, [environ.get("PYTHONPATH")])]
+    return dict(environ, PYTHONPATH=os.pathsep.join(path))
+
+
 def _process(
     args, unit: str, out: Path, *, env: dict[str, str], gpus: int, seconds: float
 ) -> str | None:
     """Runs ``--piece unit`` in a fresh process within ``seconds``; None, or why it failed."""
-    cmd = [sys.executable, str(PART), unit, str(out), "--gpus", str(gpus)]
+    cmd = [sys.executable, "-m", "gpu_check.part", unit, str(out), "--gpus", str(gpus)]
     cmd += ["--dry-run"] if args.dry_run else []
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds)
@@ -299,7 +228,7 @@ def _merge(doc: dict, piece_name: str, part: str | None, result: dict) -> None:
     entry = doc["pieces"].setdefault(piece_name, {"parts": {}})
     entry["parts"][part] = result
     try:
-        entry["targets"] = call(piece.summary, entry["parts"])
+        entry["targets"] = piece.summary(entry["parts"])
     except Exception:  # a summary that breaks is a result to read, not a lost run
         entry["targets"] = []
         entry["error"] = traceback.format_exc(limit=3)
@@ -365,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         out = Path(tmp) / "machine.json"
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        cmd = [sys.executable, str(PART), "machine", str(out)]
+        env = dict(_with_scripts(os.environ), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        cmd = [sys.executable, "-m", "gpu_check.part", "machine", str(out)]
         subprocess.run(cmd + (["--dry-run"] if args.dry_run else []), env=env, check=True)
         machine = json.loads(out.read_text())
     if machine["platform"] != "gpu" and not args.dry_run:

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py``'s timed pieces on the devices present: ``n1`` (stages 0-3
+"""The GPU check's timed pieces on the devices present: ``n1`` (stages 0-3
 against plain ``jax.jit`` + Optax on one device), ``prefetch`` (stage 3 with and without
 prefetch, under the latency-hiding scheduler on GPU) and ``quant`` (int8 / fp8 parameter
 gathers: their error and time). Each trains ``examples/gpt.py``'s GPT through
@@ -17,10 +17,11 @@ import gpt  # examples/gpt.py
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gpu_common import Context, gpt_config, random_batches, target
 
 import jzero
 from jzero.core.comm.quantize import FP8_MAX, dequantize, quantize
+
+from .common import Context, gpt_config, random_batches, target
 
 # Sizes per piece: "gpu" on the lent H200 (each piece a few minutes), "dry" on CPU.
 # batch is global; dry pieces over 8 CPU devices need it divisible by 8.

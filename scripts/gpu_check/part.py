@@ -1,7 +1,7 @@
-"""One part of ``scripts/gpu_check.py``, in the process the driver starts for it.
+"""One part of the GPU check, in the process the driver (:mod:`.driver`) starts for it.
 
-    python scripts/gpu_part.py PIECE[:PART] OUT [--dry-run] [--gpus N]
-    python scripts/gpu_part.py machine OUT [--dry-run]
+    python -m gpu_check.part PIECE[:PART] OUT [--dry-run] [--gpus N]
+    python -m gpu_check.part machine OUT [--dry-run]
 
 Configures JAX before it starts (CPU under ``--dry-run``, the piece's CPU device count),
 runs the part and writes its result, with its seconds and the machine as this process
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import jax
-from gpu_check import PIECES, ROOT, Piece, call
+
+from . import common
+from .catalog import PIECES, Piece
 
 
 def configure_jax(piece: Piece | None, *, dry_run: bool) -> None:
@@ -34,18 +35,16 @@ def configure_jax(piece: Piece | None, *, dry_run: bool) -> None:
 
 def run(unit: str, out: Path, *, dry_run: bool, gpus: int) -> dict:
     """The part's result (``unit`` is ``piece`` or ``piece:part``)."""
-    import gpu_common
-
     name, _, part = unit.partition(":")
     piece = PIECES[name]
-    ctx = gpu_common.Context(dry_run=dry_run, gpu=gpus > 0 and not dry_run)
+    ctx = common.Context(dry_run=dry_run, gpu=gpus > 0 and not dry_run)
     start = time.perf_counter()
     if piece.parts:
         earlier = json.loads(out.read_text()) if out.exists() else {}
-        result = call(piece.function, ctx, part, earlier)
+        result = piece.function(ctx, part, earlier)
     else:
-        result = call(piece.function, ctx)
-    return result | {"seconds": time.perf_counter() - start, "machine": gpu_common.machine()}
+        result = piece.function(ctx)
+    return result | {"seconds": time.perf_counter() - start, "machine": common.machine()}
 
 
 def main() -> None:
@@ -57,11 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     piece = None if args.unit == "machine" else PIECES[args.unit.partition(":")[0]]
     configure_jax(piece, dry_run=args.dry_run)
-    sys.path.insert(0, str(ROOT / "examples"))  # examples/gpt.py, examples/data.py
-    import gpu_common
-
     if piece is None:
-        result = gpu_common.machine()
+        result = common.machine()
     else:
         result = run(args.unit, args.out, dry_run=args.dry_run, gpus=args.gpus)
     args.out.write_text(json.dumps(result, indent=2, default=float) + "\n")
