@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import data  # noqa: E402  (examples/data.py: bytes of a small public-domain corpus)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (scripts/bench.py: option objects as JSON)
 import gpt  # noqa: E402  (examples/gpt.py)
+from benchmark.runs import json_options as options_json  # noqa: E402
 
 
 class Variant(NamedTuple):
@@ -185,7 +185,7 @@ def summary(curves: list[list[float]], exact: list[list[float]], last: int) -> d
 
 def json_options(variant: Variant) -> dict[str, Any]:
     """The variant's keywords, JSON-able: option objects as their non-default fields."""
-    return bench.json_options(variant.step_options, variant.opt_options, block=False)
+    return options_json(variant.step_options, variant.opt_options, block=False)
 
 
 def cpu_name() -> str:

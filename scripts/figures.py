@@ -4,7 +4,7 @@ Nothing measured is typed into the docs: every figure on the benchmark page (and
 tables the guides include) is written here from ``benchmarks/*.json``, which
 ``scripts/bench.py``, ``scripts/accuracy.py``, ``scripts/frozen_peer_trials.py`` and
 ``scripts/table2_gpu.py`` (its own verdicts, ``target_met``) write.
-The PASS/FAIL lines are the scripts' own checks (``bench.checks``, ``max_model_table``)
+The PASS/FAIL lines are the scripts' own checks (``benchmark.targets.checks``, ``max_model_table``)
 run on the committed numbers.
 
     python scripts/figures.py                      # into docs/_generated (as docs/conf.py does)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.util
 import json
 import shutil
@@ -36,12 +37,15 @@ STAGE_RUNS = ("dp", "zero1", "zero2", "zero3", "auto_fsdp")
 
 
 def _load_script(name: str) -> Any:
-    """``scripts/<name>.py`` as a module (their checks and tables are the source of truth).
-    Their imports (``examples/gpt.py``, ``scripts/max_model.py``) are found as
-    ``scripts/bench.py`` finds them."""
+    """``scripts/<name>.py`` as a module, or (a dotted name) a module of a package under
+    ``scripts/`` (their checks and tables are the source of truth). Their imports
+    (``examples/gpt.py``, ``scripts/max_model.py``) are found as ``scripts/bench.py``
+    finds them."""
     for folder in (ROOT / "examples", ROOT / "scripts"):
         if str(folder) not in sys.path:
             sys.path.insert(0, str(folder))
+    if "." in name:
+        return importlib.import_module(name)
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -205,7 +209,7 @@ def user_step_md(bench: dict[str, Any]) -> str:
 
 def bench_targets_md(bench: dict[str, Any]) -> str:
     """``scripts/bench.py``'s own PASS/FAIL checks, run on the committed numbers."""
-    checks = _load_script("bench").checks(bench)
+    checks = _load_script("benchmark.targets").checks(bench)
     return "```text\n" + "\n".join(checks) + "\n```"
 
 

@@ -121,9 +121,15 @@ def _instruction(name: str, text: str) -> _Instr:
     index = re.match(r"\s*(\d+)", args) if opcode == "parameter" else None
     index = index or re.search(r"\bindex=(\d+)", rest)
     return _Instr(
-        name, opcode.strip(), _elements(shape), shape, tuple(_OPERANDS.findall(args)),
-        tuple(callees), bool(_HOST_ATTR.search(rest)), int(index[1]) if index else -1,
-    )  # fmt: skip
+        name,
+        opcode.strip(),
+        _elements(shape),
+        shape,
+        tuple(_OPERANDS.findall(args)),
+        tuple(callees),
+        bool(_HOST_ATTR.search(rest)),
+        int(index[1]) if index else -1,
+    )
 
 
 def _entry_layout(header: str) -> tuple[list[str | None], list[str | None], set[int]]:

@@ -68,9 +68,13 @@ class Shape:
         policy = RECOMPUTE if self.recompute else base.step.remat_policy
         step = dataclasses.replace(base.step, grad_accum=accum, remat_policy=policy)
         return ZeroConfig(
-            stage=self.stage, layout=base.layout, precision=base.precision, comm=comm,
-            offload=offload, step=step,
-        )  # fmt: skip
+            stage=self.stage,
+            layout=base.layout,
+            precision=base.precision,
+            comm=comm,
+            offload=offload,
+            step=step,
+        )
 
 
 def shapes(

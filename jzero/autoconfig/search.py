@@ -119,8 +119,8 @@ class Choice(NamedTuple):
             mark = "<- chosen" if r is self.chosen else (r.dropped or "")
             flops = "-" if r.flops is None else f"{r.flops / 1e9:.3f}"
             ms = "-" if r.seconds is None else f"{r.seconds * 1e3:.2f}"
-            rows.append((r.name, str(r.micro_batch), mb(r.estimate_bytes), mb(r.device_bytes),
-                         mb(r.host_bytes), mb(r.collective_bytes), flops, ms, mark))  # fmt: skip
+            sizes = map(mb, (r.estimate_bytes, r.device_bytes, r.host_bytes, r.collective_bytes))
+            rows.append((r.name, str(r.micro_batch), *sizes, flops, ms, mark))
         return table(rows)
 
     def summary(self) -> str:
@@ -156,8 +156,10 @@ def nothing_fits(choice: Choice) -> str:
         return budget + " (none could be compiled)"
     row = choice.smallest
     host = "" if not row.host_bytes else f" and {row.host_bytes / 1e6:,.2f} MB of host memory"
-    return (f"{budget}: the smallest that would is {row.device_bytes / 1e6:,.2f} MB{host}, "
-            f"with {row.name}")  # fmt: skip
+    return (
+        f"{budget}: the smallest that would is {row.device_bytes / 1e6:,.2f} MB{host}, "
+        f"with {row.name}"
+    )
 
 
 def select(rows: Sequence[Row], *, tie: float = TIE) -> Row | None:
@@ -366,16 +368,20 @@ class _Search:
         states = self._estimate(config)
         if states > self.budget:
             why = f"model states {states / 1e6:,.2f} MB > budget (estimate)"
-            self.rows += [self._row(self._config(shape, k, False, False), states, why=why)
-                          for k in self.accums]  # fmt: skip
+            self.rows += [
+                self._row(self._config(shape, k, False, False), states, why=why)
+                for k in self.accums
+            ]
             return
         for i, k in enumerate(self.accums):
             row = self._measure(self._config(shape, k, False, False), states)
             self.rows.append(row)
             if row.fits:
                 skipped = "not compiled: a smaller accumulation fits"
-                self.rows += [self._row(self._config(shape, j, False, False), states, why=skipped)
-                              for j in self.accums[i + 1 :]]  # fmt: skip
+                self.rows += [
+                    self._row(self._config(shape, j, False, False), states, why=skipped)
+                    for j in self.accums[i + 1 :]
+                ]
                 return
 
     def variants(self, top: int = 3) -> None:
@@ -442,15 +448,21 @@ class _Search:
         mixed = config.precision.mixed
         k = opt_bytes / max(psi, 1) + (4 if mixed else 0)
         offload, n = config.offload, p.mesh.shape["data"]
-        est = estimate(params=psi, devices=n, stage=config.stage, k=k,
-                       precision="mixed" if mixed else "fp32", offload=offload.optimizer,
-                       offload_ratio=offload.ratio if offload.optimizer else 1.0)  # fmt: skip
+        est = estimate(
+            params=psi,
+            devices=n,
+            stage=config.stage,
+            k=k,
+            precision="mixed" if mixed else "fp32",
+            offload=offload.optimizer,
+            offload_ratio=offload.ratio if offload.optimizer else 1.0,
+        )
         return est.model_state_bytes
 
     def _row(self, config: ZeroConfig, states: float, *, why: str, **measured) -> Row:
         mb = micro_batch(self.problem.rows, self.dp, config.step.grad_accum)
-        fields = dict(device_bytes=None, host_bytes=None, collective_bytes=None, collectives=None,
-                      flops=None, seconds=None) | measured  # fmt: skip
+        unmeasured = ("device_bytes", "host_bytes", "collective_bytes", "collectives", "flops")
+        fields = dict.fromkeys((*unmeasured, "seconds")) | measured
         return Row(describe(config), config, mb, states, dropped=why, **fields)
 
     def _measure(self, config: ZeroConfig, states: float) -> Row:
@@ -471,16 +483,29 @@ class _Search:
         found = collectives(text)
         comm, flops, count = comm_bytes(found)["total"], dot_flops(text), launches(found)
         copies, updates = _host_bytes(state.plan)
-        seconds = self.model.step_seconds(flops, comm, copies, updates, collectives=count,
-                                          overlapped=bool(config.offload.delay))  # fmt: skip
+        seconds = self.model.step_seconds(
+            flops, comm, copies, updates, collectives=count, overlapped=bool(config.offload.delay)
+        )
         device, host = peak["device"], peak["pinned_host"]
         why = None
         if device > self.budget:
             why = f"compiled peak {device / 1e6:,.2f} MB > budget"
         elif host and (self.host_budget is None or host > self.host_budget):
             why = f"host peak {host / 1e6:,.2f} MB > host budget"
-        return Row(describe(config), config, micro_batch(p.rows, self.dp, config.step.grad_accum),
-                   states, device, host, comm, count, flops, seconds, why, took)  # fmt: skip
+        return Row(
+            describe(config),
+            config,
+            micro_batch(p.rows, self.dp, config.step.grad_accum),
+            states,
+            device,
+            host,
+            comm,
+            count,
+            flops,
+            seconds,
+            why,
+            took,
+        )
 
 
 def _host_bytes(plan: Plan) -> tuple[float, float]:

@@ -44,8 +44,13 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
         "on 8 H100s, compiled here for them; pip install 'jzero[gpu-compile]').",
     )
     p.add_argument("factory", metavar="FILE.py:FUNCTION", help=FACTORY_HELP)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a keyword argument of the factory (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a keyword argument of the factory (repeatable)",
+    )
     p.add_argument("--device-budget", type=size, help="device memory per device (default: all)")
     p.add_argument(
         "--host-budget",
@@ -58,8 +63,12 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
         help="with --host-budget, also ZeRO-Offload's delayed update (stale by a step)",
     )
     p.add_argument("--stages", default="0,1,2,3", help="the stages to consider (default all)")
-    p.add_argument("--cpu-devices", type=int, default=8,
-                   help="without an accelerator, this many CPU devices (default 8)")  # fmt: skip
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        help="without an accelerator, this many CPU devices (default 8)",
+    )
     p.add_argument(
         "--target",
         metavar="GPU:COUNT",
@@ -83,11 +92,18 @@ def run(args: argparse.Namespace) -> int:
     where = {"target": args.target} if args.target else {"mesh": jzero.data_mesh()}
     stages = tuple(int(s) for s in args.stages.split(","))
     choice = jzero.autoconfigure(
-        problem["loss_fn"], problem.get("params"), init_fn=problem.get("init_fn"),
-        batch=problem["batch"], tx=problem.get("tx") or _default_tx(),
-        config=problem.get("config"), device_budget=args.device_budget,
-        host_budget=args.host_budget, stages=stages, allow_delay=args.allow_delay, **where,
-    )  # fmt: skip
+        problem["loss_fn"],
+        problem.get("params"),
+        init_fn=problem.get("init_fn"),
+        batch=problem["batch"],
+        tx=problem.get("tx") or _default_tx(),
+        config=problem.get("config"),
+        device_budget=args.device_budget,
+        host_budget=args.host_budget,
+        stages=stages,
+        allow_delay=args.allow_delay,
+        **where,
+    )
     text = f"{choice.table()}\n\n{choice.summary()}"
     print(json.dumps(to_json(choice), indent=2) if args.json else text)
     return 0 if choice.config is not None else 1
@@ -96,15 +112,24 @@ def run(args: argparse.Namespace) -> int:
 def to_json(choice: Any) -> dict:
     """The search as JSON: the choice, the budgets, the device model and every row."""
     row = lambda r: {
-        "name": r.name, "stage": r.config.stage, "offload": r.config.offload.optimizer,
-        "recompute": r.config.step.remat_policy is not None, "bucket": r.config.comm.bucket,
-        "prefetch": r.config.comm.prefetch, "grad_accum": r.config.step.grad_accum,
-        "micro_batch": r.micro_batch, "estimate_bytes": r.estimate_bytes,
-        "device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
-        "collective_bytes": r.collective_bytes, "collectives": r.collectives,
-        "flops": r.flops, "seconds": r.seconds,
-        "dropped": r.dropped, "compile_seconds": r.compile_seconds,
-    }  # fmt: skip
+        "name": r.name,
+        "stage": r.config.stage,
+        "offload": r.config.offload.optimizer,
+        "recompute": r.config.step.remat_policy is not None,
+        "bucket": r.config.comm.bucket,
+        "prefetch": r.config.comm.prefetch,
+        "grad_accum": r.config.step.grad_accum,
+        "micro_batch": r.micro_batch,
+        "estimate_bytes": r.estimate_bytes,
+        "device_bytes": r.device_bytes,
+        "host_bytes": r.host_bytes,
+        "collective_bytes": r.collective_bytes,
+        "collectives": r.collectives,
+        "flops": r.flops,
+        "seconds": r.seconds,
+        "dropped": r.dropped,
+        "compile_seconds": r.compile_seconds,
+    }
     chosen = choice.chosen
     return {
         "chosen": None if chosen is None else chosen.name,

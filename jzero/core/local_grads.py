@@ -154,8 +154,9 @@ def _loss_caller(plan: Plan, loss_fn: Callable, options: StepOptions, aliases) -
                 try:
                     return without_vma_checks(user_fn)(*args)
                 except InternalMoved as moved:
-                    raise refusal("a collective over the loss's own jax.vmap axis", moved,
-                                  _VMAP_FIX) from None  # fmt: skip
+                    raise refusal(
+                        "a collective over the loss's own jax.vmap axis", moved, _VMAP_FIX
+                    ) from None
             explain_unknown_axis(e, loss_fn, args, axis_sizes)  # over an axis the step lacks
             raise
 

@@ -33,11 +33,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import bench  # scripts/bench.py (puts examples/ and scripts/ on sys.path)
 import jax
 import jax.numpy as jnp
 import max_model  # scripts/max_model.py
 import offload_bench  # scripts/offload_bench.py
+from benchmark.runs import adamw  # scripts/benchmark/runs.py
 
 import jzero
 from jzero.accounting.memory_spaces import replay
@@ -113,7 +113,7 @@ def _off_device(sharding: Any) -> bool:
 def state_host_bytes(args: argparse.Namespace, entry: max_model.Entry, layers: int) -> int:
     """Bytes per device of the planned state resting outside the device (abstract:
     ``jax.eval_shape`` of ``init_program``, nothing allocated)."""
-    opt = max_model._optimizer(entry, bench._adamw)
+    opt = max_model._optimizer(entry, adamw)
     cfg = max_model.family_config(args, layers)
     state = jax.eval_shape(*opt.init_program(init_fn=max_model._init_fn(cfg)))
     return sum(
@@ -132,7 +132,7 @@ def search(args, entry: max_model.Entry, *, batch: int, budget: dict[str, int]):
 
     def fit(layers: int) -> float:
         c = max_model.compile_step(args, entry=entry, layers=layers, batch=batch,
-                                   make_tx=bench._adamw)  # fmt: skip
+                                   make_tx=adamw)  # fmt: skip
         host = max(c.host, state_host_bytes(args, entry, layers))
         found[layers] = (c, host)
         return max(c.peak, host * scale)
@@ -159,7 +159,7 @@ def search(args, entry: max_model.Entry, *, batch: int, budget: dict[str, int]):
 def _available(mode: Mode) -> str | None:
     """None if this build has the mode, else why not."""
     try:
-        jzero.ZeroOptimizer(bench._adamw(), jzero.data_mesh(), stage=3, offload=mode.offload())
+        jzero.ZeroOptimizer(adamw(), jzero.data_mesh(), stage=3, offload=mode.offload())
     except (AttributeError, TypeError, ValueError) as e:
         return f"skipped: mode not available in this build ({type(e).__name__}: {e})"
     return None
@@ -175,7 +175,7 @@ def run(ctx: Context, part: str, earlier: dict[str, Any]) -> dict[str, Any]:
     batch = s["batch"] * jax.device_count()
     entry = max_model.Entry(f"zero3_{part}", 3, mode.offload())
     fields, compiled = search(args, entry, batch=batch, budget=budget)
-    kw = {"entry": entry, "batch": batch, "make_tx": bench._adamw}
+    kw = {"entry": entry, "batch": batch, "make_tx": adamw}
     trained = max_model._train(args, compiled=compiled, layers=fields["layers"], **kw)
     result = {"sizes": s, "budget": budget, "search": fields, "train": trained}
     none = (earlier.get("none") or {}).get("train")
@@ -296,7 +296,7 @@ def fixed(ctx: Context, part: str, earlier: dict[str, Any], micro: int = 1) -> d
     args, layers = _args(s), FIXED_LAYERS["dry" if ctx.dry_run else "gpu"]
     batch = s["batch"] * jax.device_count() * micro
     kw = {"entry": max_model.Entry(f"zero3_{part}", 3, mode.offload()), "batch": batch,
-          "make_tx": bench._adamw}  # fmt: skip
+          "make_tx": adamw}  # fmt: skip
     step = max_model.compile_step(args, layers=layers, grad_accum=micro, **kw)
     at_rest = state_host_bytes(args, kw["entry"], layers)  # the state resting off the device
     trained = max_model.train_steps(args, compiled=step, layers=layers, **kw)

@@ -12,11 +12,12 @@ import dataclasses
 import functools
 from typing import Any
 
-import bench  # scripts/bench.py (puts examples/ and scripts/ on sys.path)
 import gpt  # examples/gpt.py
 import jax
 import jax.numpy as jnp
 import numpy as np
+from benchmark import runs as bench  # scripts/benchmark/runs.py
+from benchmark.targets import LOSS_TOL, LOSS_TOL_DEFAULT
 
 import jzero
 from jzero.core.comm.quantize import FP8_MAX, dequantize, quantize
@@ -42,8 +43,8 @@ SIZES = {
     },
 }
 N1_TIME = 1.02  # jzero's step time / plain jit + Optax's, at most, every stage (bf16)
-SAME_LOSS = bench.LOSS_TOL_DEFAULT  # prefetch's first loss vs without: the same program's
-QUANT_LOSS = bench.LOSS_TOL["zero3_int8"]  # a quantized gather's first loss vs exact
+SAME_LOSS = LOSS_TOL_DEFAULT  # prefetch's first loss vs without: the same program's
+QUANT_LOSS = LOSS_TOL["zero3_int8"]  # a quantized gather's first loss vs exact
 RUNS = {r.name: r for r in bench.RUNS}
 
 
@@ -62,7 +63,7 @@ def _setup(s: dict[str, int], mesh, *, dtype=jnp.float32):
 def _trained(run: bench.Run, mesh, setup, warmup: int) -> dict[str, Any]:
     """bench's fields of one run (plain jit when ``run.step_options`` is None)."""
     measure = bench.run_zero if run.step_options is not None else bench.run_auto_fsdp
-    return measure(run, bench._adamw(), mesh, *setup, warmup)
+    return measure(run, bench.adamw(), mesh, *setup, warmup)
 
 
 def n1(ctx: Context) -> dict[str, Any]:

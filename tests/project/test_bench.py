@@ -5,6 +5,7 @@ benchmarks/README.md describes, its state bytes exact. (The docs' tables are gen
 the JSON by scripts/figures.py: no test reads prose.)"""
 
 import functools
+import importlib
 import importlib.util
 import json
 import math
@@ -120,10 +121,18 @@ CKPT_FIELDS = {
 
 
 def _load_bench():
+    """``scripts/bench.py`` (the command) as a module; it puts ``scripts/`` on ``sys.path``,
+    so its parts import as ``benchmark.*`` (:func:`_part`)."""
     spec = importlib.util.spec_from_file_location("bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _part(name: str):
+    """``scripts/benchmark/<name>.py``: the runs, targets, tables or checkpoints."""
+    _load_bench()
+    return importlib.import_module(f"benchmark.{name}")
 
 
 @pytest.mark.slow
@@ -148,10 +157,9 @@ def test_bench_json_schema_and_quick_targets(tmp_path, capsys):
     # Bucketed stage 3: 3 collectives for the one layer (forward and backward all-gather,
     # reduce-scatter) and the 7 outside it, exactly; per-leaf stage 3 needs more.
     bucketed = runs["zero3_bucket"]["collectives_per_step"]
-    assert bucketed == 3 * 1 + bench.BUCKET_OUTSIDE < runs["zero3"]["collectives_per_step"]
-    assert targets[-4] == (
-        f"PASS zero3_bucket collectives {bucketed} <= 3 x 1 layers + {bench.BUCKET_OUTSIDE}"
-    )
+    outside = _part("targets").BUCKET_OUTSIDE
+    assert bucketed == 3 * 1 + outside < runs["zero3"]["collectives_per_step"]
+    assert targets[-4] == f"PASS zero3_bucket collectives {bucketed} <= 3 x 1 layers + {outside}"
     host = runs["zero3_offload"]["host_bytes_per_device"]
     assert targets[-3] == f"PASS zero3_offload host bytes {host:,} > 0"
     device = lambda name: runs[name]["device_peak_bytes_per_device"]
@@ -244,12 +252,11 @@ _FIGURE = re.compile(r" [\d,.]+(e[+-]\d+)?( x its host bytes)?( (<=|>=|>) .*| \(
 
 
 def test_bench_table_and_targets_on_the_committed_run():
-    """The targets the table prints are computed from the JSON (bench.checks), every one
-    passes on the committed run, and --quick prints the size-independent ones."""
-    bench = _load_bench()
+    """The targets the table prints are computed from the JSON (the benchmark's checks),
+    every one passes on the committed run, and --quick prints the size-independent ones."""
     result = json.loads((ROOT / "benchmarks" / "bench_cpu8.json").read_text())
-    targets = bench.table(result).split("\n\n")[1].splitlines()
-    assert targets == bench.checks(result)
+    targets = _part("tables").table(result).split("\n\n")[1].splitlines()
+    assert targets == _part("targets").checks(result)
     verdict = lambda line: line.split(" ", 1)[0]
     name = lambda line: _FIGURE.sub("", line.split(" ", 1)[1])
     assert [name(line) for line in targets] == COMMITTED_TARGETS
@@ -260,7 +267,7 @@ def test_bench_table_and_targets_on_the_committed_run():
     s8 = runs["zero3_int8"]["all_gather_bytes_by_dtype"]["s8"]
     assert 4 * s8 == runs["zero3"]["all_gather_bytes_by_dtype"]["f32"]
     # --quick on the same numbers: the size-independent targets only, named first.
-    quick = bench.table(result, quick=True).split("\n\n")[1].splitlines()
+    quick = _part("tables").table(result, quick=True).split("\n\n")[1].splitlines()
     assert quick[0] == QUICK_HEAD and quick[-1] == QUICK_TAIL
     assert quick[1:-1] == [line for line in targets if line in quick[1:-1]]
     names = [name(line) for line in quick[1:-1]]
@@ -297,7 +304,7 @@ def test_bench_checkpoint_throughput_fields(tmp_path, capsys):
 
     # The state bytes, independently: the same model's state at its true shapes
     # (replicated, unpadded), summed over the live arrays. fp32: no master weights.
-    cfg, opt, state, like = bench.checkpoint_model(4)
+    cfg, opt, state, like = _part("checkpoints").checkpoint_model(4)
     full = opt.full_state(state)
     assert full.master is None
     params = sum(x.nbytes for x in jax.tree.leaves(full.params))
@@ -310,8 +317,8 @@ def test_bench_checkpoint_throughput_fields(tmp_path, capsys):
     )
 
 
-def _checks_of(bench, *, rs: float, a2a: dict[str, float], loss: float, quick: bool):
-    """bench.checks on zero3 and zero3_qgz runs holding only the fields those checks read:
+def _checks_of(*, rs: float, a2a: dict[str, float], loss: float, quick: bool):
+    """The benchmark's checks on zero3 and zero3_qgz runs holding only the fields those checks read:
     zero3's reduce-scatter bytes ``rs`` and final loss 2.0, zero3_qgz's all-to-all bytes by
     dtype ``a2a`` and final loss ``loss``."""
     zero3 = {
@@ -323,27 +330,28 @@ def _checks_of(bench, *, rs: float, a2a: dict[str, float], loss: float, quick: b
         "loss_last": 2.0,
     }
     qgz = {"name": "zero3_qgz", "all_to_all_bytes_by_dtype": a2a, "loss_last": loss}
-    return bench.checks({"runs": [zero3, qgz], "model": {"layers": 1}}, quick=quick)
+    return _part("targets").checks({"runs": [zero3, qgz], "model": {"layers": 1}}, quick=quick)
 
 
 def test_zero3_qgz_run_and_its_targets():
-    bench = _load_bench()
-    run = {r.name: r for r in bench.RUNS}["zero3_qgz"]
+    run = {r.name: r for r in _part("runs").RUNS}["zero3_qgz"]
     assert run.stage == 3 and run.step_options == MANUAL
     assert run.opt_options == {"comm": jzero.Communication(grad_quant="int8")}
-    assert "zero3_qgz" in bench.ZERO3_VARIANTS  # its final loss is checked against zero3's
-    tol, block = bench.LOSS_TOL["zero3_qgz"], jzero.Communication().quant_block
+    assert (
+        "zero3_qgz" in _part("targets").ZERO3_VARIANTS
+    )  # its final loss is checked against zero3's
+    tol, block = _part("targets").LOSS_TOL["zero3_qgz"], jzero.Communication().quant_block
     rs = 4.0 * 2**20
     theory = {"s8": rs / 4, "f32": rs / 4 / block * 4}  # a byte per element, 4 per block
     for quick in (False, True):
-        lines = _checks_of(bench, rs=rs, a2a=theory, loss=2.0 * (1 + tol / 2), quick=quick)
+        lines = _checks_of(rs=rs, a2a=theory, loss=2.0 * (1 + tol / 2), quick=quick)
         loss = f"PASS zero3_qgz final loss rel. diff vs zero3 {tol / 2:.2e} <= {tol:g}"
         ratio = 0.25 * (1 + 4 / block)
         comm = f"PASS zero3_qgz all-to-all bytes / zero3 reduce-scatter {ratio:.3f} <= 0.3"
         assert loss in lines and (comm in lines) is not quick  # --quick skips the bytes
     # Over the bounds: 32 times the scales (blocks of 8), a loss 2 x tol away.
     a2a = {"s8": rs / 4, "f32": rs / 4 / 8 * 4}
-    lines = _checks_of(bench, rs=rs, a2a=a2a, loss=2.0 * (1 + 2 * tol), quick=False)
+    lines = _checks_of(rs=rs, a2a=a2a, loss=2.0 * (1 + 2 * tol), quick=False)
     assert f"FAIL zero3_qgz final loss rel. diff vs zero3 {2 * tol:.2e} <= {tol:g}" in lines
     assert "FAIL zero3_qgz all-to-all bytes / zero3 reduce-scatter 0.375 <= 0.3" in lines
 

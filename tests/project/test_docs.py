@@ -232,8 +232,8 @@ def test_figures_are_generated_from_the_committed_json(tmp_path):
         assert float(row[5].replace(",", "")) == round(run["device_peak_bytes_per_device"] / 1e6, 1)
         assert int(row[9]) == run["collectives_per_step"]
     targets = (tmp_path / "bench_targets.md").read_text().splitlines()[1:-1]
-    bench_script = figures._load_script("bench")
-    assert targets == bench_script.checks(bench)  # the script's own checks, not typed
+    bench_targets = figures._load_script("benchmark.targets")
+    assert targets == bench_targets.checks(bench)  # the script's own checks, not typed
     mm = json.loads((ROOT / "benchmarks" / "max_model_cpu8.json").read_text())
     mm_rows = _table_rows((tmp_path / "max_model.md").read_text())
     assert [int(r[1]) for r in mm_rows] == [s["layers"] for s in mm["max_model"]["stages"]]

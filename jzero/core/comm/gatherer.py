@@ -66,8 +66,10 @@ class Gatherer:
         if self.quant is not None and self.bucket:
             full = quantized_all_gather(shards, layouts, quant=self.quant)
         elif self.quant is not None:
-            full = [quantized_all_gather([s], [lay], quant=self.quant)[0]
-                    for s, lay in zip(shards, layouts)]  # fmt: skip
+            full = [
+                quantized_all_gather([s], [lay], quant=self.quant)[0]
+                for s, lay in zip(shards, layouts)
+            ]
         elif self.bucket:
             full = all_gather_flat(shards, layouts)
         else:
@@ -281,8 +283,14 @@ def _gather_leaves(leaves: list) -> list:
         if hs[0].hpz is not None:
             full = _hpz_bucket(hs)
         else:
-            full = _use([h.sink for h in hs], [h.host_copy for h in hs], [h.value for h in hs],
-                        tuple(h.layout for h in hs), gatherer, reducer)  # fmt: skip
+            full = _use(
+                [h.sink for h in hs],
+                [h.host_copy for h in hs],
+                [h.value for h in hs],
+                tuple(h.layout for h in hs),
+                gatherer,
+                reducer,
+            )
         for i, x in zip(idx, full):
             out[i] = x
     return out

@@ -134,18 +134,20 @@ def _warn_whole(params: Any, moved: InternalMoved, *, prefetch: bool, scans_only
     """Warns that the loss runs on every parameter used whole (:func:`gather_each`)."""
     if scans_only:
         warn_fallback(
-            "stage 2's per-layer gradient reduction in scans", moved,
+            "stage 2's per-layer gradient reduction in scans",
+            moved,
             "each stacked gradient is reduce-scattered after the backward loop",
             f"up to {_whole_model_bytes(params):,} bytes of whole stacked gradients per "
             "device held at once, instead of about one layer's",
-        )  # fmt: skip
+        )
         return
     warn_fallback(
-        "stage 3's per-layer gathering" + (" and prefetch" if prefetch else ""), moved,
+        "stage 3's per-layer gathering" + (" and prefetch" if prefetch else ""),
+        moved,
         "every parameter is gathered at the start of the loss and held through it",
         f"{_whole_model_bytes(params):,} bytes of gathered parameters per device "
         "held at once, instead of about one layer's",
-    )  # fmt: skip
+    )
 
 
 def _whole_model_bytes(params: Any) -> int:
@@ -358,9 +360,15 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
             return outs[:n_carry], outs[n_carry:]
 
         carry, ys = prefetched_scan(
-            layer, [*body_consts, *consts], init, handles, others,
-            length=scan.length, reverse=scan.reverse, policy=rules.policy,
-        )  # fmt: skip
+            layer,
+            [*body_consts, *consts],
+            init,
+            handles,
+            others,
+            length=scan.length,
+            reverse=scan.reverse,
+            policy=rules.policy,
+        )
         return [*carry, *ys]
 
     def step(carry, x_slices):

@@ -40,9 +40,16 @@ Step = Callable[[Any, Any, list, Any], tuple[Any, Any]]
 
 
 def prefetched_scan(
-    step: Step, consts: Any, init: Any, handles: list[Sharded], xs: Any, *, length: int,
-    reverse: bool, policy: Callable | None = None,
-) -> tuple[Any, Any]:  # fmt: skip
+    step: Step,
+    consts: Any,
+    init: Any,
+    handles: list[Sharded],
+    xs: Any,
+    *,
+    length: int,
+    reverse: bool,
+    policy: Callable | None = None,
+) -> tuple[Any, Any]:
     """``lax.scan`` of ``step`` over ``length`` layers, each layer's slice of ``handles``
     (stacked along their leading axis) gathered one step ahead, forward and backward.
 
@@ -53,9 +60,18 @@ def prefetched_scan(
     no_copies(handles, "a prefetched scan")
     how = (handles[0].gatherer, handles[0].reducer)  # the step's, the same for every handle
     return _layers(
-        step, layouts, how, length, reverse, policy, consts, init,
-        [h.sink for h in handles], [h.value for h in handles], xs,
-    )  # fmt: skip
+        step,
+        layouts,
+        how,
+        length,
+        reverse,
+        policy,
+        consts,
+        init,
+        [h.sink for h in handles],
+        [h.value for h in handles],
+        xs,
+    )
 
 
 def can_prefetch(*trees: Any) -> bool:

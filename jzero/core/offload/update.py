@@ -16,9 +16,9 @@ host memory, updated, and written into a fresh host buffer (dynamic-slice from, 
 dynamic-update-slice into, host memory: the patterns XLA's host offloader streams).
 Bucket or chunk k's copies are tied (``optimization_barrier``) to what piece k-2 wrote
 back and to the parameters it wrote into the new leaves, so at most two pieces' state is
-on the device. (Tied to the write-backs alone, the H200's compiler fused each piece's
-parameter step into the leaf's assembly and ran them all after the last piece: every
-piece's new state stayed on the device, 9.66 of the 9.69 GB offloaded.) XLA:CPU drops
+on the device. Tied to the write-backs alone, XLA:GPU may fuse each piece's parameter step
+into the leaf's assembly and run them all after the last piece, every piece's new state
+then held on the device (``benchmarks/h200_streamed_peak.md``). XLA:CPU drops
 optimization barriers and its memory analysis shows no saving from host memory: on CPU
 this module is tested for placement and numerics, not memory.
 """
