@@ -93,6 +93,18 @@ def regression_batches(steps: int, batch_size: int, width: int) -> list[dict[str
     ]
 
 
+def random_pairs(n: int, batch: int, d_in: int, d_out: int, *, seed: int) -> list[dict]:
+    """``n`` batches of ``x`` [batch, d_in] and ``y`` [batch, d_out], both ~ N(0, 1)."""
+    keys = jax.random.split(jax.random.key(seed), n)
+    return [
+        {
+            "x": jax.random.normal(k, (batch, d_in), jnp.float32),
+            "y": jax.random.normal(jax.random.fold_in(k, 1), (batch, d_out), jnp.float32),
+        }
+        for k in keys
+    ]
+
+
 def make_tx(lr: float = 1e-2, *, eps: float = 1e-6, weight_decay: float | None = None):
     """Adam (AdamW with ``weight_decay``), the optimizer of the model-level parity tests.
 

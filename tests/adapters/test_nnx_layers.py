@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import make_tx, reference
+from _models import make_tx, random_pairs, reference
 from flax import nnx
 
 import jzero
@@ -69,14 +69,7 @@ def loss_fn(model, batch):
 
 
 def make_batches(steps):
-    keys = jax.random.split(jax.random.key(1), steps)
-    return [
-        {
-            "x": jax.random.normal(k, (B, D_IN), jnp.float32),
-            "y": jax.random.normal(jax.random.fold_in(k, 1), (B, D_OUT), jnp.float32),
-        }
-        for k in keys
-    ]
+    return random_pairs(steps, B, D_IN, D_OUT, seed=1)
 
 
 def create(stage):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _hlo_text import assert_gathered_per_layer
-from _models import make_tx, reference
+from _models import make_tx, random_pairs, reference
 from flax import nnx
 
 import jzero
@@ -51,14 +51,7 @@ def loss_fn(model, batch):
 
 
 def make_batches(n):
-    keys = jax.random.split(jax.random.key(5), n)
-    return [
-        {
-            "x": jax.random.normal(k, (BATCH, IN), jnp.float32),
-            "y": jax.random.normal(jax.random.fold_in(k, 1), (BATCH, OUT), jnp.float32),
-        }
-        for k in keys
-    ]
+    return random_pairs(n, BATCH, IN, OUT, seed=5)
 
 
 def make_state(stage, **kwargs):
