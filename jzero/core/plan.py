@@ -36,6 +36,7 @@ from .leaf_layout import LeafLayout, leaf_layout
 from .mesh import DATA, REPLICA
 from .options.layout import Layout
 from .options.offload import HOST, Offload, offloaded_leaves
+from .options.precision import LossScale, Precision
 from .options.step import StepOptions
 from .options.zero_config import ZeroConfig
 
@@ -203,6 +204,30 @@ class Plan:
 
     def shardings(self, stored: tuple[Stored, ...], treedef: Any) -> Any:
         return jax.tree.unflatten(treedef, [self.sharding(s) for s in stored])
+
+    def state_shardings(self, precision: Precision) -> ZeroState:
+        """The ``NamedSharding`` of every leaf of a :class:`ZeroState` with this plan
+        (``model_state``, replicated and of any structure, is placed by init, not listed)."""
+        replicated = self.sharding(P())
+        master = None
+        if self.master is not None:
+            master = self.shardings(self.master, self.params_def)
+        loss_scale = None
+        if precision.dynamic_loss_scale:
+            loss_scale = LossScale(replicated, replicated)
+        pending = None
+        if self.pending is not None:
+            pending = Pending(self.shardings(self.pending, self.params_def), replicated, replicated)
+        return ZeroState(
+            step=replicated,
+            params=self.shardings(self.params, self.params_def),
+            opt_state=self.shardings(self.opt, self.opt_def),
+            model_state=None,
+            master=master,
+            loss_scale=loss_scale,
+            plan=self,
+            pending=pending,
+        )
 
     def describe(self) -> str:
         """A readable table: one row per parameter leaf with its layout; with offload, the

@@ -4,8 +4,7 @@ A checkpoint holds the step, the fp32 weights, the Optax state, the loss scale, 
 step's held gradient and the model state, each leaf under its :func:`.leaf_names` name and
 with its true shape. :func:`read_targets` says what a plan reads of it: each array's name,
 its shape, dtype and sharding as the plan lays it out, and its true shape.
-:func:`assemble` builds the state from what was read, in one jitted program
-(:func:`.stored_form.restored_state`).
+:func:`assemble` builds the state from what was read, in one jitted program.
 """
 
 from __future__ import annotations
@@ -19,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .axis_types import on_compute_mesh
 from .leaf_names import leaf_names, unflatten_names
 from .options.precision import LossScale, Precision
 from .plan import Pending, Plan, Stored, ZeroState, is_key
-from .stored_form import restored_state
+from .stored_form import no_pending, store, view
 
 Targets = dict[str, tuple[jax.ShapeDtypeStruct, tuple[int, ...]]]  # name: (target, true shape)
 
@@ -103,12 +103,29 @@ def assemble(
     plan: Plan, precision: Precision, arrays: dict[str, jax.Array], like: Any
 ) -> ZeroState:
     """The :class:`ZeroState` of ``plan`` from the arrays read into :func:`read_targets`
-    (by name, in its order): the weights, Optax state, step, loss scale and held gradient
-    placed by :func:`.stored_form.restored_state`, and the model state shaped like ``like``
-    (see :func:`_model_state`)."""
+    (by name, in its order), in one jitted program: the parameters cast from the stored fp32
+    weights (kept as the master weights under mixed precision), a fresh loss scale and held
+    gradient where the checkpoint has none, and the model state shaped like ``like`` (see
+    :func:`_model_state`)."""
     model_state = _model_state(arrays, like)
     groups = _groups(plan, precision, arrays)
-    state = restored_state(plan, precision, *groups)
+
+    def build(weights, opt_state, step, loss_scale, pending):
+        params = precision.cast(weights)  # elementwise: the same before or after the view
+        stored = plan.master if plan.master is not None else plan.params
+        return ZeroState(
+            step=step,
+            params=store(view(params, stored), plan.params),
+            opt_state=opt_state,
+            model_state=None,
+            master=None if plan.master is None else store(view(weights, stored), plan.master),
+            loss_scale=loss_scale,
+            plan=plan,
+            pending=no_pending(plan) if pending is None else pending,
+        )
+
+    out = plan.state_shardings(precision)
+    state = jax.jit(on_compute_mesh(build, plan.mesh), out_shardings=out)(*groups)
     return state.replace(model_state=model_state)
 
 

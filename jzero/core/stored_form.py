@@ -1,12 +1,12 @@
 """Placement: model states between their true-shaped (user) view and their stored form.
 
 Everything here follows the :class:`Plan`: ``store`` pads the leaves it stores partitioned,
-``view`` slices the padding off again, ``state_shardings`` names every leaf's sharding;
+``view`` slices the padding off again;
 ``init_program`` builds a fresh state straight into that layout and ``full_params`` brings
 the parameters (``full_state``: every model state) back whole. ``to_device`` and ``to_host``
 move leaves between memory kinds inside a jitted program (optimizer offload). Programs
 compute on the plan's compute mesh and constrain to it; what they return is typed with the
-user's mesh (``state_shardings``, :func:`typed_state`; :mod:`.axis_types`).
+user's mesh (:meth:`Plan.state_shardings`, :func:`typed_state`; :mod:`.axis_types`).
 """
 
 from __future__ import annotations
@@ -58,16 +58,16 @@ def to_host(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
     """Leaves in device memory -> their planned sharding and memory kind (e.g. pinned host
     memory). The sharding is constrained first: XLA:CPU compiles the move itself away. A
     leaf already in host memory (a gradient copied there in backward) is only placed."""
+    return _map(functools.partial(_to_host, plan), tree, stored)
 
-    def move(x: jax.Array, s: Stored) -> jax.Array:
-        if s.memory_kind is None:
-            return x
-        if in_host_memory(x):
-            return jax.device_put(x, plan.compute_sharding(s))
-        x = jax.lax.with_sharding_constraint(x, device_sharding(plan, s))
+
+def _to_host(plan: Plan, x: jax.Array, s: Stored) -> jax.Array:
+    if s.memory_kind is None:
+        return x
+    if in_host_memory(x):
         return jax.device_put(x, plan.compute_sharding(s))
-
-    return _map(move, tree, stored)
+    x = jax.lax.with_sharding_constraint(x, device_sharding(plan, s))
+    return jax.device_put(x, plan.compute_sharding(s))
 
 
 def constrain(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
@@ -81,33 +81,6 @@ def constrain(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
         return jax.lax.with_sharding_constraint(x, plan.compute_sharding(s))
 
     return _map(place, tree, stored)
-
-
-def state_shardings(plan: Plan, precision: Precision) -> ZeroState:
-    """``NamedSharding`` s of every leaf of a :class:`ZeroState` with ``plan``.
-
-    ``model_state`` (replicated, any structure) is placed by ``init``, not listed here.
-    """
-    replicated = plan.sharding(P())
-    master = None
-    if plan.master is not None:
-        master = plan.shardings(plan.master, plan.params_def)
-    loss_scale = None
-    if precision.dynamic_loss_scale:
-        loss_scale = LossScale(replicated, replicated)
-    pending = None
-    if plan.pending is not None:
-        pending = Pending(plan.shardings(plan.pending, plan.params_def), replicated, replicated)
-    return ZeroState(
-        step=replicated,
-        params=plan.shardings(plan.params, plan.params_def),
-        opt_state=plan.shardings(plan.opt, plan.opt_def),
-        model_state=None,
-        master=master,
-        loss_scale=loss_scale,
-        plan=plan,
-        pending=pending,
-    )
 
 
 def no_pending(plan: Plan) -> Pending | None:
@@ -174,40 +147,7 @@ def init_program(
             pending=no_pending(plan),
         )
 
-    return jax.jit(on_compute_mesh(init, plan.mesh), out_shardings=state_shardings(plan, precision))
-
-
-def restored_state(
-    plan: Plan,
-    precision: Precision,
-    weights: Any,
-    opt_state: Any,
-    step: jax.Array,
-    loss_scale: LossScale | None,
-    pending: Pending | None,
-) -> ZeroState:
-    """A :class:`ZeroState` of ``plan`` from a checkpoint's arrays, in one jitted program:
-    the parameters cast from the stored fp32 ``weights`` (the master weights kept under
-    mixed precision), a fresh held gradient where the checkpoint has none (``pending``
-    None); no model state (the caller adds it)."""
-
-    def build(weights, opt_state, step, loss_scale, pending):
-        w = view(weights, plan.master if plan.master is not None else plan.params)
-        return ZeroState(
-            step=step,
-            params=store(precision.cast(w), plan.params),
-            opt_state=opt_state,
-            model_state=None,
-            master=None if plan.master is None else store(w, plan.master),
-            loss_scale=loss_scale,
-            plan=plan,
-            pending=no_pending(plan) if pending is None else pending,
-        )
-
-    out = state_shardings(plan, precision)
-    return jax.jit(on_compute_mesh(build, plan.mesh), out_shardings=out)(
-        weights, opt_state, step, loss_scale, pending
-    )
+    return jax.jit(on_compute_mesh(init, plan.mesh), out_shardings=plan.state_shardings(precision))
 
 
 def _whole(plan: Plan, stored: tuple[Stored, ...], treedef: Any) -> Any:

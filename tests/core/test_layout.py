@@ -16,7 +16,6 @@ from jax.sharding import PartitionSpec as P
 import jzero
 from jzero.accounting import collectives
 from jzero.core.leaf_layout import leaf_layout
-from jzero.core.stored_form import state_shardings
 
 N = 8
 
@@ -83,7 +82,7 @@ def test_compiled_step_shardings_and_gradient_shards(stage):
     opt = jzero.ZeroOptimizer(optax.adam(1e-2), mesh, stage=stage, min_shard_size=1)
     state = opt.init(awkward_params())
     compiled = opt.train_step(awkward_loss).lower(state, awkward_batches(1)[0]).compile()
-    want = jax.tree.leaves(state_shardings(state.plan, opt.precision))
+    want = jax.tree.leaves(state.plan.state_shardings(opt.precision))
     (state_in, _), _ = compiled.input_shardings
     assert [s.spec for s in jax.tree.leaves(state_in)] == [s.spec for s in want]
     state_out, _ = compiled.output_shardings
