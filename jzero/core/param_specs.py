@@ -122,11 +122,10 @@ def to_mesh_axes(name: str, logical: Sequence[Any] | None, rules: tuple[Rule, ..
 
 def logical_to_mesh(specs: Any, rules: tuple[Rule, ...]) -> Any:
     """A tree (or tree prefix) of logical ``PartitionSpec`` s mapped to mesh specs."""
-    is_spec = lambda x: isinstance(x, P) or x is None
     return jax.tree_util.tree_map_with_path(
         lambda path, s: to_mesh_axes(jax.tree_util.keystr(path), s, rules),
         specs,
-        is_leaf=is_spec,
+        is_leaf=_is_spec,
     )
 
 

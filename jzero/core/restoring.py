@@ -33,7 +33,7 @@ def read_targets(plan: Plan, precision: Precision, stored: dict[str, Any]) -> Ta
     and a delayed step's held gradient where both sides keep one, and the model state as
     the checkpoint holds it (replicated)."""
     held = _held(plan, stored)
-    scalars = _scalars(plan, precision, stored)
+    scalars = _scalars(precision, stored, held)
     weights = plan.master if plan.master is not None else plan.params
     groups: dict[str, Any] = {
         "weights": jax.tree.unflatten(plan.params_def, [_fp32(s) for s in weights]),
@@ -81,13 +81,14 @@ def _held(plan: Plan, stored: dict[str, Any]) -> bool:
     return plan.pending is not None
 
 
-def _scalars(plan: Plan, precision: Precision, stored: dict[str, Any]) -> dict[str, tuple]:
+def _scalars(precision: Precision, stored: dict[str, Any], held: bool) -> dict[str, tuple]:
     """The replicated leaves' shapes and dtypes: the step, the loss scale, the held
-    gradient's divisor and flag, and the model state (as the checkpoint holds it)."""
+    gradient's divisor and flag (``held``: both sides keep one, :func:`_held`), and the
+    model state (as the checkpoint holds it)."""
     want = {"step": ((), jnp.int32)}
     if precision.dynamic_loss_scale and "loss_scale.scale" in stored:
         want |= {"loss_scale.scale": ((), jnp.float32), "loss_scale.good_steps": ((), jnp.int32)}
-    if plan.pending is not None and "pending.apply" in stored:
+    if held:
         want |= {"pending.denominator": ((), jnp.float32), "pending.apply": ((), jnp.bool_)}
     for name in model_state_names(stored):
         want[name] = (tuple(stored[name]["shape"]), stored[name]["dtype"])
@@ -159,7 +160,6 @@ def _model_state(arrays: dict[str, jax.Array], like: Any) -> Any:
         if k.startswith("model_state")
     }
     if like is not None:
-        is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
         leaves = [
             jax.random.wrap_key_data(named[n], impl=x.dtype) if is_key(x) else named[n]
             for n, x in zip(leaf_names(like), jax.tree.leaves(like))

@@ -85,6 +85,8 @@ class _Stream:
     ) -> None:
         self.split, self.plan, self.precision = split, plan, precision
         self.grads, self.keep = grads, keep
+        self.reduced = jax.tree.leaves(grads.reduced)  # a chunk averages its piece of these
+        self.env: dict = {}  # the traced update's values, from global_part on
         self.stored = (*plan.opt, *(plan.master or plan.params))
         self.held: dict[int, jax.Array] = {}
         self.written: list[list[int]] = []
@@ -143,9 +145,9 @@ class _Stream:
         }
         whole = self.env
         if cut is not None:  # the gradient's chunk averaged from the reduced sums
-            reduced, denominator = jax.tree.leaves(self.grads.reduced), self.grads.denominator
+            denominator = self.grads.denominator
             whole = self.env | {
-                split.grad_ins[i]: _Averaged(reduced[i], denominator, plan.params[i].layout)
+                split.grad_ins[i]: _Averaged(self.reduced[i], denominator, plan.params[i].layout)
                 for i in b.params
             }
         value = _run(split, b, whole, given, cut)
