@@ -29,6 +29,12 @@ PARTS = {
 MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "host_memory_bytes"}
 
 
+def _on_the_dry_run(test):
+    """The dry run (about 5 minutes) is one module-scoped fixture: its tests share an xdist
+    group, so one worker runs it once, not every worker that draws one of them."""
+    return pytest.mark.slow(pytest.mark.xdist_group("gpu_check_dry_run")(test))
+
+
 def _results(doc: dict) -> list[dict]:
     found = []
     for entry in doc["pieces"].values():
@@ -56,7 +62,7 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads(path.read_text())
 
 
-@pytest.mark.slow
+@_on_the_dry_run
 def test_dry_run_writes_every_piece_with_checked_or_explained_targets(dry_run):
     done, doc = dry_run
     assert doc["dry_run"] is True
@@ -79,7 +85,7 @@ def test_dry_run_writes_every_piece_with_checked_or_explained_targets(dry_run):
     assert [r["name"] for r in n1["runs"]] == ["plain_jit", "stage0", "stage1", "stage2", "stage3"]
 
 
-@pytest.mark.slow
+@_on_the_dry_run
 def test_dry_run_offload_modes_run_or_say_they_are_missing(dry_run):
     _, doc = dry_run
     parts = doc["pieces"]["offload"]["parts"]
@@ -95,7 +101,7 @@ def test_dry_run_offload_modes_run_or_say_they_are_missing(dry_run):
         assert "train" in part or part["skipped"].startswith("skipped: mode not available")
 
 
-@pytest.mark.slow
+@_on_the_dry_run
 def test_dry_run_times_the_host_update_by_leaf_count_against_the_triad(dry_run):
     _, doc = dry_run
     rate = doc["pieces"]["host_rate"]
@@ -107,7 +113,7 @@ def test_dry_run_times_the_host_update_by_leaf_count_against_the_triad(dry_run):
     assert found["measured"] == best / rate["triad"]["threads_bytes_per_s"]
 
 
-@pytest.mark.slow
+@_on_the_dry_run
 def test_dry_run_agreement_compiles_for_compile_only_h200s_beside_the_cpu(dry_run):
     _, doc = dry_run
     agreement = doc["pieces"]["agreement"]
@@ -158,7 +164,7 @@ def test_offload_speed_runs_p20s_gpu_figures_within_one_ten_minute_command():
         driver.parse_args(["--offload-speed", "--quick"])
 
 
-@pytest.mark.slow
+@_on_the_dry_run
 def test_dry_run_fixed_offload(dry_run):
     _, doc = dry_run
     fixed = doc["pieces"]["offload_fixed"]["parts"]
