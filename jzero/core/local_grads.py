@@ -231,8 +231,9 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Ga
         # (per layer inside scans). With manual_gather the user's per-layer remat
         # (jax.checkpoint / nn.remat around the layer that calls jzero.gather)
         # re-gathers instead, and with remat_policy each scan step's checkpoint does:
-        # an outer policy here would override theirs (measured: nothing_saveable inside
-        # it recomputed nothing; as the outer policy, the whole forward again).
+        # an outer policy here would override theirs (the outermost checkpoint decides
+        # what is saved: a nothing_saveable inside it recomputes nothing, and as this
+        # outer policy it would recompute the whole forward).
         return jax.checkpoint(local_loss, policy=saves_no_gathered(_KEEP))
     return local_loss
 

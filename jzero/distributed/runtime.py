@@ -2,10 +2,10 @@
 
 JAX's multi-controller runtime detects a dead or frozen peer through heartbeats: once a
 process has sent none for ``heartbeat_timeout_seconds``, the coordination service
-terminates every other process (SIGABRT, a C++ stack trace, no word of which step). Heartbeats
-go out every half timeout, so that abort comes between half a heartbeat timeout and a whole
-one after a peer freezes (measured: 5.4-8.0 s with 10 s). :func:`initialize` owns the
-relation between that abort and jzero's watchdog (:func:`jzero.distributed.bounded`):
+terminates every other process (SIGABRT, a C++ stack trace, no word of which step).
+Heartbeats go out every half timeout, so that abort comes between half a heartbeat timeout
+and a whole one after a peer freezes. :func:`initialize` owns the relation between that
+abort and jzero's watchdog (:func:`jzero.distributed.bounded`):
 given ``timeout=T`` it records T as the watchdog's default and gives JAX a heartbeat timeout
 of ``3 T + 4`` s, so that JAX's earliest abort, ``1.5 T + 2`` s after a freeze, comes at
 least ``0.5 T + 2`` s after the watchdog has named the process that stalled and exited.

@@ -2,8 +2,8 @@
 
 Written out rather than left to ``with_sharding_constraint``: the compiler's sharding
 propagation otherwise carries the shards' layout from the update onto the step's own
-outputs (measured, XLA:CPU jax 0.12: AdamW's weight decay, which reads the parameters on
-their shards, left the parameters of a stage 1 step sharded at rest). A ``shard_map`` is a
+outputs: AdamW's weight decay, for one, reads the parameters on their shards, and a
+stage 1 step's parameters would then rest sharded. A ``shard_map`` is a
 boundary propagation does not cross: slicing the local shard moves nothing, and gathering
 is the all-gather of ZeRO's stages 1-2.
 """
