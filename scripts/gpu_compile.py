@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,7 @@ def init():
 PARAMS = jax.eval_shape(init)
 PSI = sum(x.size for x in jax.tree.leaves(PARAMS))  # parameters
 STACK = jax.tree.leaves(PARAMS["blocks"])  # the scanned layers' leaves, [L, ...]
+LAYER_MATRICES = frozenset(x.shape[1:] for x in STACK if x.ndim >= 3)  # a layer's weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Program:
     argument: int  # the step's inputs (state and batch), bytes per device
     found: tuple  # its collectives (jzero.accounting.hlo.Collective)
     overlaps: tuple  # each collective and the compute scheduled under it
+    carried: tuple  # (dtype, shape) of each array a while loop carries from step to step
 
     def elements(self, kind: str | None = None) -> float:
         """Elements each device sends per step in the ring model, by trip count."""
@@ -109,14 +112,35 @@ def _figures(lower, start: float) -> Program:
     memory, text = compiled.memory_analysis(), compiled.as_text()
     overlaps = tuple(collective_overlap(text))
     return Program(seconds, memory.temp_size_in_bytes, memory.argument_size_in_bytes,
-                   tuple(collectives(text)), overlaps)  # fmt: skip
+                   tuple(collectives(text)), overlaps, loop_carried(text))  # fmt: skip
+
+
+def loop_carried(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The arrays the while loops of a compiled module's text carry: their state tuples'
+    ``(dtype, shape)``, one entry per array per loop."""
+    loops = [line for line in text.splitlines() if " while(" in line]
+    states = [line.split(" while(")[0].split(" = ", 1)[-1] for line in loops]
+    return tuple(
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for state in states
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", state)
+    )
+
+
+def layer_gradients_carried(program: Program) -> int:
+    """How many arrays of a layer's weight-matrix shape (a stacked leaf without its layer
+    axis) the loops carry: backward's full gradients, where a reduce-scatter is pipelined
+    into the next step."""
+    return sum(shape in LAYER_MATRICES for _, shape in program.carried)
 
 
 @functools.cache
-def jzero_step(stage: int, devices: int = 8, prefetch: bool = False) -> Program:
+def jzero_step(
+    stage: int, devices: int = 8, prefetch: bool = False, pipeline_scatter: bool = False
+) -> Program:
     """jzero's own step (default gathering: ``manual_gather=False``)."""
     mesh, start = _mesh(devices), time.perf_counter()
-    comm = jzero.Communication(prefetch=prefetch)
+    comm = jzero.Communication(prefetch=prefetch, pipeline_scatter=pipeline_scatter)
     opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=stage, comm=comm)
     state = jax.eval_shape(*opt.init_program(init_fn=init))
     return _figures(lambda: opt.train_step(LOSS).lower(state, batch(mesh)), start)
@@ -180,6 +204,7 @@ def record(program: Program, stage: int, devices: int) -> dict[str, Any]:
         "largest_all_reduce": max((math.prod(c.shape) for c in reduced), default=0),
         "in_loop_all_gathers": len(looped),
         "in_loop_all_gathers_overlapped": sum(o.asynchronous and o.overlaps for o in looped),
+        "loop_carried_layer_gradients": layer_gradients_carried(program),
         "compile_s": round(program.seconds, 1),
     }
 
@@ -188,6 +213,7 @@ PROGRAMS = {  # name -> (builder, stage, devices)
     "plain_jit": (plain_step, 0, 8),
     **{f"zero{s}": (functools.partial(jzero_step, s), s, 8) for s in range(4)},
     "zero3_prefetch": (functools.partial(jzero_step, 3, prefetch=True), 3, 8),
+    "zero3_pipelined": (functools.partial(jzero_step, 3, pipeline_scatter=True), 3, 8),
     **{f"user{s}": (functools.partial(user_step, s), s, 8) for s in (1, 2, 3)},
     **{f"zero{s}_64": (functools.partial(jzero_step, s, 64), s, 64) for s in (1, 2, 3)},
     **{f"user{s}_64": (functools.partial(user_step, s, 64), s, 64) for s in (1, 2)},

@@ -101,7 +101,11 @@ ZERO = {
     "offload_optimizer": Key(default={}),  # "device": "cpu" -> Offload(optimizer=...)
     "offload_param": Key(default={}),
     "cpu_offload": Key(boolean, False),  # true: offload_optimizer's "device": "cpu"
-    "overlap_comm": no_effect("XLA's scheduler decides what overlaps with what"),
+    "overlap_comm": no_effect(
+        "XLA's scheduler decides what overlaps with what; to let it overlap each layer's "
+        "gradient reduce-scatter with the next layer's backward, for memory, pass "
+        "comm=Communication(pipeline_scatter=True)"
+    ),
     "contiguous_gradients": no_effect("XLA allocates the gradients; there is no flat buffer"),
     "reduce_bucket_size": no_effect(BUCKETS),
     "allgather_bucket_size": no_effect(BUCKETS),

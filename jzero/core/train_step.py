@@ -27,6 +27,7 @@ from .batch_sharding import check_batch_sharding
 from .comm.collectives import all_gather
 from .comm.gatherer import Gatherer
 from .comm.reducer import Reducer
+from .compile_options import step_compiler_options
 from .gpu_target.compile_only import check_runnable
 from .grad_reduction import Gradients
 from .input_checks import check_batch, check_global_batch, check_live, check_state
@@ -167,11 +168,13 @@ def make_train_step(
         return _delayed(update, state, outputs, config)
 
     agreement = Agreement(config, mesh)
-    donate = 0 if options.donate else ()
-    jitted = jax.jit(_on_mesh(step, mesh), donate_argnums=donate)
-    delayed = None
-    if config.offload.delay:
-        delayed = jax.jit(_on_mesh(delayed_step, mesh), donate_argnums=donate)
+    jit = functools.partial(
+        jax.jit,
+        donate_argnums=0 if options.donate else (),
+        compiler_options=step_compiler_options(config, mesh),
+    )
+    jitted = jit(_on_mesh(step, mesh))
+    delayed = jit(_on_mesh(delayed_step, mesh)) if config.offload.delay else None
     return TrainStep(jitted, config=config, mesh=mesh, agreement=agreement, delayed=delayed)
 
 

@@ -60,6 +60,7 @@ def test_train_step_refuses_both_forms_and_unknown_options():
         (1, {"gather_quant": "fp8"}, "stage 1 gathers no parameters; use stage=3"),
         (0, {"grad_quant": "int8"}, "stage 0 all-reduces its gradients; use stage=1, 2"),
         (2, {"prefetch": True}, "stage 2 gathers no parameters; use stage=3"),
+        (0, {"pipeline_scatter": True}, "stage 0 all-reduces its gradients; use stage=1, 2"),
     ],
 )
 def test_communication_conflicts_are_refused_when_the_optimizer_is_built(stage, comm, message):
@@ -70,6 +71,8 @@ def test_communication_conflicts_are_refused_when_the_optimizer_is_built(stage, 
 def test_communication_fields_are_checked():
     with pytest.raises(TypeError, match="Communication.bucket must be True or False, got 1"):
         jzero.Communication(bucket=1)
+    with pytest.raises(TypeError, match="Communication.pipeline_scatter must be True or False"):
+        jzero.Communication(pipeline_scatter="on")
     with pytest.raises(TypeError, match="comm must be a jzero.Communication, got dict"):
         _opt(comm={"bucket": True})
 

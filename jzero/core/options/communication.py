@@ -80,6 +80,13 @@ class Communication:
             copies kept from forward to backward; :mod:`jzero.core.comm.hpz`). An int,
             ``1 < G < N`` dividing the data axis size N; stage 3 only. Same values as
             without. None: off.
+        pipeline_scatter: on GPUs, let XLA's collective pipeliner move each loop step's
+            gradient reduce-scatters into the next step, where they overlap that step's
+            backward (XLA:GPU's default, ``xla_gpu_enable_pipelined_reduce_scatter``): one
+            layer's full gradients then stay alive from one step into the next, which at
+            stages 2-3 is the memory ZeRO exists to free. False (the default): jzero's step
+            is compiled with the pipeliner off, each reduce-scatter done in its own step
+            (:mod:`jzero.core.compile_options`). Stages 1-3; same values either way.
 
     Examples:
         >>> opt = jzero.ZeroOptimizer(tx, mesh, stage=3,
@@ -92,6 +99,7 @@ class Communication:
     bucket: bool = False
     prefetch: bool = False
     hpz: int | None = None
+    pipeline_scatter: bool = False
 
     def __post_init__(self):
         quant = self.gather_quant  # a str: a dtype such as np.dtype('int8') equals 'int8'
@@ -107,7 +115,7 @@ class Communication:
                 f"{self.grad_quant!r}; e.g. Communication(grad_quant='int8')."
             )
         object.__setattr__(self, "quant_block", _check_block(self.quant_block, self.grad_quant))
-        for name in ("bucket", "prefetch"):
+        for name in ("bucket", "prefetch", "pipeline_scatter"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"Communication.{name} must be True or False, got {getattr(self, name)!r}."
@@ -155,6 +163,12 @@ class Communication:
                 f"Communication(prefetch=True) issues stage 3's next parameter all-gather "
                 f"early, but stage {stage} gathers no parameters; use stage=3, or leave "
                 "prefetch=False."
+            )
+        if self.pipeline_scatter and stage == 0:
+            raise ValueError(
+                "Communication(pipeline_scatter=True) pipelines the gradient "
+                "reduce-scatters of stages 1-3, but stage 0 all-reduces its gradients; use "
+                "stage=1, 2 or 3, or leave pipeline_scatter=False."
             )
         if self.hpz is not None and stage != 3:
             raise ValueError(

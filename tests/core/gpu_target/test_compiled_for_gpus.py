@@ -93,6 +93,25 @@ def test_stage_2_holds_no_whole_stacked_gradient():
     assert jzero_step(2).temp <= jzero_step(1).temp - 0.8 * stack, (jzero_step(2).temp, stack)
 
 
+@pytest.mark.parametrize(("stage", "devices"), [(2, 8), (3, 8), (2, 64), (3, 64)])
+def test_no_loop_carries_a_layers_full_gradients_into_the_next_step(stage, devices):
+    """XLA:GPU pipelines a loop's reduce-scatters into the next step by default, carrying
+    each layer's full weight gradients along; jzero's step is compiled with the pipeliner
+    off (``jzero.core.compile_options``), so backward keeps only their shards."""
+    program = jzero_step(stage, devices)
+    assert programs.layer_gradients_carried(program) == 0, program.carried
+
+
+def test_pipeline_scatter_carries_them_for_more_memory():
+    """``Communication(pipeline_scatter=True)`` leaves XLA's pipeliner on: the backward
+    loop carries one layer's four fp32 weight gradients, and the step needs more memory."""
+    pipelined, default = jzero_step(3, pipeline_scatter=True), jzero_step(3)
+    carried = sorted(s for d, s in pipelined.carried if s in programs.LAYER_MATRICES)
+    assert carried == sorted(programs.LAYER_MATRICES), pipelined.carried
+    assert {d for d, s in pipelined.carried if s in programs.LAYER_MATRICES} == {"f32"}
+    assert pipelined.temp > default.temp, (pipelined.temp, default.temp)
+
+
 def test_jzero_report_reads_the_compiled_step():
     """``jzero.report`` on an abstract state: the plan's model states against the paper's,
     and the collectives of the step compiled for the GPUs."""
