@@ -401,10 +401,15 @@ def gpu_compile_md(gc: dict[str, Any] | None) -> str:
         f"{gc['parameters']:,} parameters), compiled by jax {gc['jax']}'s XLA:GPU for "
         "compile-only H200s. Elements sent: per device per step in the ring model, over "
         "the paper's 2Ψ(N−1)/N (stages 0-2) or 3Ψ(N−1)/N (stage 3). The stack's fp32 "
-        f"gradient: {_mb(gc['stack_grad_bytes_fp32'])} MB."
+        f"gradient: {_mb(gc['stack_grad_bytes_fp32'])} MB. Layer arrays loops carry: "
+        "arrays of a layer's weight shape in the while loops' state: the full gradients "
+        "XLA's reduce-scatter pipeliner carries into the next step (`zero3_pipelined`: "
+        "`Communication(pipeline_scatter=True)`), or the next layer's gathered weights "
+        "(`zero3_prefetch`)."
     )
     rows = [("program", "GPUs", "temp MB", "elements / paper", "all-reduced elements",
-             "in-loop all-gathers overlapped", "compile s")]  # fmt: skip
+             "in-loop all-gathers overlapped", "layer arrays loops carry",
+             "compile s")]  # fmt: skip
     for name, r in gc["runs"].items():
         gpus = "64" if name.endswith("_64") else "8"
         looped = r["in_loop_all_gathers"]
@@ -412,7 +417,7 @@ def gpu_compile_md(gc: dict[str, Any] | None) -> str:
             name, gpus, _mb(r["temp_bytes"]), f"{r['elements_over_theory']:.3f}",
             f"{r['all_reduced_elements']:,}",
             f"{r['in_loop_all_gathers_overlapped']} of {looped}" if looped else "",
-            f"{r['compile_s']:.0f}",
+            str(r["loop_carried_layer_arrays"]), f"{r['compile_s']:.0f}",
         ))  # fmt: skip
     return head + "\n\n" + _md_table(rows)
 

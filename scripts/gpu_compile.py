@@ -127,10 +127,10 @@ def loop_carried(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     )
 
 
-def layer_gradients_carried(program: Program) -> int:
+def layer_arrays_carried(program: Program) -> int:
     """How many arrays of a layer's weight-matrix shape (a stacked leaf without its layer
-    axis) the loops carry: backward's full gradients, where a reduce-scatter is pipelined
-    into the next step."""
+    axis) the loops carry: backward's full gradients where a reduce-scatter is pipelined
+    into the next step, the next layer's gathered weights where gathers are prefetched."""
     return sum(shape in LAYER_MATRICES for _, shape in program.carried)
 
 
@@ -204,7 +204,7 @@ def record(program: Program, stage: int, devices: int) -> dict[str, Any]:
         "largest_all_reduce": max((math.prod(c.shape) for c in reduced), default=0),
         "in_loop_all_gathers": len(looped),
         "in_loop_all_gathers_overlapped": sum(o.asynchronous and o.overlaps for o in looped),
-        "loop_carried_layer_gradients": layer_gradients_carried(program),
+        "loop_carried_layer_arrays": layer_arrays_carried(program),
         "compile_s": round(program.seconds, 1),
     }
 

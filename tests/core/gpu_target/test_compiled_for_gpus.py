@@ -99,7 +99,7 @@ def test_no_loop_carries_a_layers_full_gradients_into_the_next_step(stage, devic
     each layer's full weight gradients along; jzero's step is compiled with the pipeliner
     off (``jzero.core.compile_options``), so backward keeps only their shards."""
     program = jzero_step(stage, devices)
-    assert programs.layer_gradients_carried(program) == 0, program.carried
+    assert programs.layer_arrays_carried(program) == 0, program.carried
 
 
 def test_pipeline_scatter_carries_them_for_more_memory():
