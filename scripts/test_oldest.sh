@@ -7,7 +7,8 @@
 # jit step (shard_map, Explicit meshes, the compiler's HLO), Optax parity at stages 2-3,
 # the host optimizer step (compute_on's form changed in jax 0.11.1) with its checkpoint
 # and its gradient copies in backward (read from the step lowered for cuda),
-# the compiled peak per memory space (it reads XLA's HLO text), Orbax checkpoints that
+# the compiled peak per memory space (it reads XLA's HLO text), the XLA compile option
+# jzero's GPU step passes (XLA renamed it once), Orbax checkpoints that
 # reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for absent GPUs (the
 # CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's value_fn, typed keys,
 # complex parameters), and the GPU check's fast tests (test_gpu_check).
@@ -21,7 +22,8 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     'jax-cuda12-plugin==0.11.2' 'jax-cuda12-pjrt==0.11.2'
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
     tests/internal/test_versions.py tests/internal/test_jax_internals.py \
-    tests/core/test_moved_internals.py tests/accounting/test_hlo_stages.py \
+    tests/core/test_moved_internals.py tests/core/test_compile_options.py \
+    tests/accounting/test_hlo_stages.py \
     tests/optimizers/user_step/test_user_step_inputs.py tests/optimizers/user_step/test_user_step_is_zero.py \
     "tests/core/test_parity.py::test_matches_single_device_optax[2-adafactor]" \
     "tests/core/test_parity.py::test_matches_single_device_optax[3-adamw]" \
