@@ -110,17 +110,20 @@ def test_default_shards_every_leaf_but_scalars():
     assert sharded == {k: k != "s" for k in SHAPES}
 
 
+@pytest.mark.parametrize("pipeline_scatter", [False, True])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_scanned_layers_with_a_width_that_does_not_divide(stage):
+def test_scanned_layers_with_a_width_that_does_not_divide(stage, pipeline_scatter):
     # (8, 100) biases: only the stacked-layers axis divides 8, yet it must stay whole for
-    # the per-layer gather inside lax.scan; the width is padded instead.
+    # the per-layer gather inside lax.scan; the width is padded instead. pipeline_scatter
+    # (XLA:GPU's reduce-scatter pipeliner kept) places the collectives, not the values.
     params = stacked_params(layers=8, width=100)
     batches = [stacked_batch(width=100)] * 3
     # eps well above the gradients' rounding noise: with eps=1e-8, Adam turns a few ulps
     # of summation-order noise on near-zero gradient elements into +-lr steps.
     tx = lambda: optax.adam(1e-2, eps=1e-3)
     ref_params, _, ref_losses, _ = reference(tx(), params, stacked_loss, batches)
-    opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage, min_shard_size=1)
+    comm = jzero.Communication(pipeline_scatter=pipeline_scatter)
+    opt = jzero.ZeroOptimizer(tx(), jzero.data_mesh(), stage=stage, min_shard_size=1, comm=comm)
     state = opt.init(params)
     assert [lay.dim for lay in state.plan.layouts] == [1, 2]
     step = opt.train_step(stacked_loss, manual_gather=True)

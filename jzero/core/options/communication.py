@@ -82,7 +82,7 @@ class Communication:
             without. None: off.
         pipeline_scatter: on GPUs, let XLA's collective pipeliner move each loop step's
             gradient reduce-scatters into the next step, where they overlap that step's
-            backward (XLA:GPU's default, ``xla_gpu_enable_pipelined_reduce_scatter``): one
+            backward (XLA:GPU's default, ``xla_gpu_pipeline_reduce_scatter``): one
             layer's full gradients then stay alive from one step into the next, which at
             stages 2-3 is the memory ZeRO exists to free. False (the default): jzero's step
             is compiled with the pipeliner off, each reduce-scatter done in its own step
