@@ -134,6 +134,13 @@ def layer_arrays_carried(program: Program) -> int:
     return sum(shape in LAYER_MATRICES for _, shape in program.carried)
 
 
+def activation_stacks(program: Program, devices: int = 8) -> int:
+    """How many stacks of every layer's input activation (one bf16 ``[B/N, T, D]`` per
+    layer) the loops carry: forward's saved stack, and backward's."""
+    stack = (L, SEQUENCES // devices, CFG.seq_len, CFG.d_model)
+    return sum(carried == ("bf16", stack) for carried in program.carried)
+
+
 @functools.cache
 def jzero_step(
     stage: int, devices: int = 8, prefetch: bool = False, pipeline_scatter: bool = False

@@ -42,7 +42,8 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_the_users_step[2]" \
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[3-options3]" \
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[2-options4]" \
-    tests/checkpoint/test_typed_key_state.py "$@"
+    tests/checkpoint/test_typed_key_state.py tests/core/gather/test_autogather.py::test_a_scan_runs_as_two_loops_saving_each_layers_input_once \
+    "$@"
 # test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
 # minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider tests/project/test_gpu_check.py "$@"

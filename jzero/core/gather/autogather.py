@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ...internal.equation import (
     Equation,
@@ -62,6 +64,7 @@ from .prefetch import can_prefetch, prefetched_scan
 from .remat import remat_layer
 
 _KEEP = jax.checkpoint_policies.everything_saveable
+CARRY = "jzero_carry"  # a scan step's input carry, saved as itself (_carry_named)
 
 
 def gather_where_used(
@@ -386,11 +389,31 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
     # a second copy of the stack); a body that rematerialises layers itself reads them
     # inside its checkpoints, whose policies an outer one would override.
     if not (rules.scans_only and _rematerialises(scan.body)):
-        step = jax.checkpoint(step, policy=saves_no_gathered(rules.policy or _KEEP))
+        step = _carry_named(jax.checkpoint(step, policy=saves_no_gathered(rules.policy or _KEEP)))
     carry, ys = jax.lax.scan(
         step, init, scanned, length=scan.length, reverse=scan.reverse, unroll=scan.unroll
     )
     return [*carry, *ys]
+
+
+def _carry_named(step: Callable) -> Callable:
+    """``step`` with each loop step's carry first passed through ``checkpoint_name``.
+
+    Under stage 3's outer checkpoint (:func:`jzero.core.local_grads.local_grads`), JAX
+    saves a step's output carry, not its input, and stages a loop of its own into backward
+    that shifts the saved stack by one step to rebuild the inputs: a second stack of every
+    step's carry (one activation per layer) alive beside the first. A carry that is a
+    primitive's output inside the step is saved as it is, and that loop is not made."""
+
+    def named(carry, x_slices):
+        return step([_named(c) for c in carry], x_slices)
+
+    return named
+
+
+def _named(x: Any) -> Any:
+    """``x`` named :data:`CARRY`; an integer or key carry (small) is left as it is."""
+    return checkpoint_name(x, CARRY) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
 def _rematerialises(body: Any) -> bool:

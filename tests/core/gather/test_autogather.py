@@ -178,6 +178,14 @@ def test_stage3_peak_holds_model_states_over_n_plus_three_layers(model):
     assert peak <= bound, (peak, bound)
 
 
+@pytest.mark.parametrize("model", ["scan", "linen", "nnx"])
+def test_a_scan_runs_as_two_loops_saving_each_layers_input_once(model):
+    # Forward and backward. Under the step's outer checkpoint JAX would save each step's
+    # output carry and stage a third loop into backward, shifting that stack by one step
+    # to rebuild the inputs: two stacks of every layer's activation alive at once.
+    assert compiled(model).as_text().count(" while(") == 2
+
+
 def test_unrolled_layers_without_checkpoint_are_gathered_at_each_use():
     # No loop and no rematerialised region: each weight is gathered at its use and again
     # in backward (jzero.core.gather.deferred; more in test_unrolled_stage3.py), except the

@@ -102,6 +102,15 @@ def test_no_loop_carries_a_layers_full_gradients_into_the_next_step(stage, devic
     assert programs.layer_arrays_carried(program) == 0, program.carried
 
 
+@pytest.mark.parametrize(("stage", "devices"), [(s, n) for s in range(4) for n in (8, 64)])
+def test_the_layers_inputs_are_one_stack_saved_by_forward_and_read_by_backward(stage, devices):
+    """At stage 3 the step's outer checkpoint once made JAX save each layer's output and
+    stage a third loop rebuilding the inputs from it: two stacks alive at once, 2.3 GB of
+    Table 2's stage-3 model on V100s (``jzero.core.gather.autogather._carry_named``)."""
+    program = jzero_step(stage, devices)
+    assert programs.activation_stacks(program, devices) == 2, program.carried
+
+
 def test_pipeline_scatter_carries_them_for_more_memory():
     """``Communication(pipeline_scatter=True)`` leaves XLA's pipeliner on: the backward
     loop carries one layer's four fp32 weight gradients, and the step needs more memory."""
