@@ -8,7 +8,8 @@
 # the host optimizer step (compute_on's form changed in jax 0.11.1) with its checkpoint
 # and its gradient copies in backward (read from the step lowered for cuda),
 # the compiled peak per memory space (it reads XLA's HLO text), the XLA compile option
-# jzero's GPU step passes (XLA renamed it once), Orbax checkpoints that
+# jzero's GPU step passes (XLA renamed it once), stage 3's scans saving each layer's
+# input once (JAX's checkpoint-of-scan rule decides it), Orbax checkpoints that
 # reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for absent GPUs (the
 # CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's value_fn, typed keys,
 # complex parameters), and the GPU check's fast tests (test_gpu_check).
@@ -42,7 +43,8 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_the_users_step[2]" \
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[3-options3]" \
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[2-options4]" \
-    tests/checkpoint/test_typed_key_state.py tests/core/gather/test_autogather.py::test_a_scan_runs_as_two_loops_saving_each_layers_input_once \
+    tests/checkpoint/test_typed_key_state.py \
+    tests/core/gather/test_autogather.py::test_a_scan_runs_as_two_loops_saving_each_layers_input_once \
     "$@"
 # test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
 # minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.
