@@ -31,7 +31,7 @@ from ..internal.unbound_axes import vmapped_collectives
 from ..internal.vmap_axes import without_vma_checks
 from . import rng
 from .axis_aliases import aliased, as_tuple, explain_unknown_axis
-from .comm.collectives import after, saves_no_gathered
+from .comm.collectives import after
 from .comm.gatherer import Gatherer, Sharded
 from .comm.reducer import Reducer
 from .gather.autogather import gather_where_used
@@ -215,7 +215,10 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Ga
             run = call_loss
         elif plan.config.partitions_params:  # gather each parameter where it is used
             run = gather_where_used(
-                call_loss, prefetch=gatherer.prefetch, policy=options.remat_policy
+                call_loss,
+                prefetch=gatherer.prefetch,
+                policy=options.remat_policy,
+                regather=options.remat_policy is None,
             )
         else:  # stage 2 reduce-scatters each leaf where backward completes it, and a
             # scanned stack's layer by layer, inside the backward loop
@@ -226,15 +229,12 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Ga
         loss = loss.astype(jnp.float32)
         return loss * scale, (loss, model_state, aux)
 
-    if plan.config.partitions_params and not options.manual_gather and options.remat_policy is None:
-        # Keep every activation but no gathered parameter, so backward gathers again
-        # (per layer inside scans). With manual_gather the user's per-layer remat
-        # (jax.checkpoint / nn.remat around the layer that calls jzero.gather)
-        # re-gathers instead, and with remat_policy each scan step's checkpoint does:
-        # an outer policy here would override theirs (the outermost checkpoint decides
-        # what is saved: a nothing_saveable inside it recomputes nothing, and as this
-        # outer policy it would recompute the whole forward).
-        return jax.checkpoint(local_loss, policy=saves_no_gathered(_KEEP))
+    # Without remat_policy, what forward gathers whole and holds is gathered again in
+    # backward (regather). With manual_gather the user's per-layer remat (jax.checkpoint /
+    # nn.remat around the layer that calls jzero.gather) re-gathers instead, and with
+    # remat_policy each scan step's checkpoint does: an outer policy would override
+    # theirs (the outermost checkpoint decides what is saved: a nothing_saveable inside it
+    # recomputes nothing, and as the outer policy it would recompute the whole forward).
     return local_loss
 
 

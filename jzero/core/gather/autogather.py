@@ -73,11 +73,19 @@ def gather_where_used(
     prefetch: bool = False,
     policy: Callable[..., Any] | None = None,
     scans_only: bool = False,
+    regather: bool = False,
 ) -> Callable[..., Any]:
     """``fn(params, *args)`` for ``params`` holding :class:`Sharded` handles, each gathered
     where ``fn`` uses it (per layer inside scans over stacked parameters). ``policy``: what
     backward keeps of each scan step and each repeated layer of an unrolled model
     (:attr:`jzero.StepOptions.remat_policy`).
+
+    ``regather``: backward gathers again what forward gathered whole and held (a parameter
+    used more than once, a scan's constants, one read by a loop or branch): the evaluation
+    runs under a checkpoint that keeps every activation but no gathered parameter. Where
+    every parameter is gathered at its one use (each use re-gathers in backward itself)
+    there is nothing for that checkpoint to act on, and it is left off: it re-traces and
+    re-stages the whole loss for nothing.
 
     ``scans_only`` (stage 2, whose handles hold the whole parameter): only scans over
     stacked parameters, and loops that index them, take them one layer at a time, so that
@@ -92,7 +100,8 @@ def gather_where_used(
             return per_use(params, *args)
         except InternalMoved as moved:
             _warn_whole(params, moved, prefetch=prefetch, scans_only=scans_only)
-            return fn(gather_each(params), *args)
+            whole = lambda p, *a: fn(gather_each(p), *a)
+            return (_regathering(whole) if regather else whole)(params, *args)
 
     def per_use(params: Any, *args: Any) -> Any:
         whole = lambda p, *a: fn(gather_each(p), *a)
@@ -102,24 +111,32 @@ def gather_where_used(
             rules = _Gathering(_handles(params), scans_only=True)
             out = run(traced, jax.tree.leaves((params, args)), rules)
             return jax.tree.unflatten(jax.tree.structure(out_shape), out)
-        shared, reads = _dry_run(traced, params, args)
-        rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
-        leaves = jax.tree.leaves((params, args))
+        shared, reads, holds = _dry_run(traced, params, args)
         spans = [] if policy is None else _spans(traced, _layers(params), reads)
         if policy is not None and not spans and reads is not None:
             warnings.warn(_NOTHING_TO_RECOMPUTE, stacklevel=2)
-        if not spans:
-            out = run(traced, leaves, rules)
-        else:  # an unrolled model's layers, each recomputed as the policy says
 
-            def layer(body: Callable, values: list[Any]) -> list[Any]:
-                run_body = lambda inputs: body(_Gathering(), inputs)
+        def evaluate(params: Any, args: tuple) -> list[Any]:
+            rules = _Gathering(_handles(params), prefetch=prefetch, policy=policy, shared=shared)
+            leaves = jax.tree.leaves((params, args))
+            if not spans:
+                return run(traced, leaves, rules)
+
+            def layer(body: Callable, values: list[Any]) -> list[Any]:  # one of the layers,
+                run_body = lambda inputs: body(_Gathering(), inputs)  # recomputed by policy
                 return gathered_at(run_body, values, list(map(is_lazy, values)), rules.read, policy)
 
-            out = run_in_regions(traced, leaves, rules, spans, layer)
+            return run_in_regions(traced, leaves, rules, spans, layer)
+
+        out = (_regathering(evaluate) if regather and holds else evaluate)(params, args)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return call
+
+
+def _regathering(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under a checkpoint that keeps every activation but no gathered parameter."""
+    return jax.checkpoint(fn, policy=saves_no_gathered(_KEEP))
 
 
 _NOTHING_TO_RECOMPUTE = (
@@ -197,12 +214,14 @@ DERIVED = -2
 derive a lazy value from parameters alone (a cast, reshape or transpose)."""
 
 
-def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dict | None]:
+def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dict | None, bool]:
     """What a dry run (traced, then dropped) of ``traced`` finds: the keys
     (:attr:`Deferred.key`) of the deferred parameters used more than once outside loops
-    and checkpoints, and by handle position the top-level equations that read each
-    (position -1: the gathers themselves); None if a scan or checkpoint takes deferred
-    parameters: the model has layers of its own, and the policy acts there alone."""
+    and checkpoints; by handle position the top-level equations that read each
+    (position -1: the gathers themselves), or None if a scan or checkpoint takes deferred
+    parameters (the model has layers of its own, and the policy acts there alone); and
+    whether the run gathers some parameter whole outside a use and holds it: one used
+    more than once, or read by a scan, checkpoint, loop or branch."""
     found = []
 
     def dry(params: Any, *args: Any) -> list:
@@ -213,7 +232,8 @@ def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dic
     trace(dry, params, *args)
     rules = found[0]
     shared = frozenset(k for k, n in rules.uses.items() if n > 1)
-    return shared, None if rules.own_layers else dict(rules.reads)
+    holds = bool(shared) or rules.own_layers or rules.reads_whole
+    return shared, None if rules.own_layers else dict(rules.reads), holds
 
 
 class _Gathering(Interpreter):
@@ -247,6 +267,7 @@ class _Gathering(Interpreter):
         self.reads: dict[int, list[int]] = collections.defaultdict(list)  # by position
         self._positions: dict[int, int] = {}  # counting: key -> handle position
         self.own_layers = False  # counting: a scan or checkpoint takes deferred parameters
+        self.reads_whole = False  # counting: another equation that is no use reads one
         self.prefetch, self.shared, self.counting = prefetch, shared, counting
         self.policy, self.scans_only = policy, scans_only
         self.uses: collections.Counter[int] = collections.Counter()
@@ -293,6 +314,8 @@ class _Gathering(Interpreter):
                 self.uses.update(x.key for x in values if isinstance(x, Deferred))
                 self.reads[DERIVED].append(self.at)
                 return derived
+            return None  # each lazy input read: one use
+        self.reads_whole = self.reads_whole or self.counting  # a loop or branch: read whole
         return None
 
     def _count(self, x: Deferred | Derived) -> None:
@@ -399,7 +422,7 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
 def _carry_named(step: Callable) -> Callable:
     """``step`` with each loop step's carry first passed through ``checkpoint_name``.
 
-    Under stage 3's outer checkpoint (:func:`jzero.core.local_grads.local_grads`), JAX
+    Under the checkpoint around a loss whose scans take parameters (:func:`_regathering`), JAX
     saves a step's output carry, not its input, and stages a loop of its own into backward
     that shifts the saved stack by one step to rebuild the inputs: a second stack of every
     step's carry (one activation per layer) alive beside the first. A carry that is a
