@@ -9,8 +9,9 @@
 # and its gradient copies in backward (read from the step lowered for cuda),
 # the compiled peak per memory space (it reads XLA's HLO text), the XLA compile option
 # jzero's GPU step passes (XLA renamed it once), stage 3's scans saving each layer's
-# input once (JAX's checkpoint-of-scan rule decides it), Orbax checkpoints that
-# reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for absent GPUs (the
+# input once (JAX's checkpoint-of-scan rule decides it), its whole-loss checkpoint only
+# where a gathered parameter is held (read from JAX's mark on saved values), Orbax
+# checkpoints that reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for absent GPUs (the
 # CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's value_fn, typed keys,
 # complex parameters), and the GPU check's fast tests (test_gpu_check).
 # scripts/test.sh runs everything on the newest.
@@ -45,6 +46,7 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_jzeros_own_step[2-options4]" \
     tests/checkpoint/test_typed_key_state.py \
     tests/core/gather/test_autogather.py::test_a_scan_runs_as_two_loops_saving_each_layers_input_once \
+    "tests/core/gather/test_unrolled_stage3.py::test_only_a_held_parameter_puts_the_loss_under_a_checkpoint" \
     "$@"
 # test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
 # minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.
