@@ -11,9 +11,10 @@
 # jzero's GPU step passes (XLA renamed it once), stage 3's scans saving each layer's
 # input once (JAX's checkpoint-of-scan rule decides it), its whole-loss checkpoint only
 # where a gathered parameter is held (read from JAX's mark on saved values), Orbax
-# checkpoints that reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for absent GPUs (the
-# CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's value_fn, typed keys,
-# complex parameters), and the GPU check's fast tests (test_gpu_check).
+# checkpoints that reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for
+# absent GPUs (the CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's
+# value_fn, typed keys, complex parameters), and the GPU check's fast tests
+# (test_gpu_check).
 # scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
