@@ -199,20 +199,18 @@ def _compiled_for(mesh: Any, run: str, *, layers: int, d: int, batch: int) -> di
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    return {
-        "run": run, "leaves": 5 * layers + 1, "trace_s": None, "lower_s": t1 - t0,
-        "compile_s": t2 - t1, "run_s": None, "first_s": t2 - t0,
-        "hlo_lines": compiled.as_text().count("\n"),
-        "lowered_lines": lowered.as_text().count("\n"),
-    }  # fmt: skip
+    phases = {"trace_s": None, "lower_s": t1 - t0, "compile_s": t2 - t1, "run_s": None}
+    sizes = {"hlo_lines": compiled.as_text().count("\n")}
+    sizes["lowered_lines"] = lowered.as_text().count("\n")
+    return {"run": run, "leaves": 5 * layers + 1, **phases, "first_s": t2 - t0, **sizes}
 
 
 def in_subprocess(run: str, args: argparse.Namespace, layers: int) -> dict[str, Any]:
     """:func:`measure` in a fresh Python process (no compilation cache carries over)."""
-    cmd = [
-        sys.executable, __file__, "--one", run, "--layers", str(layers), "--d", str(args.d),
-        "--batch", str(args.batch), "--cpu-devices", str(args.cpu_devices),
-    ] + (["--gpu", args.gpu] if args.gpu else [])  # fmt: skip
+    sizes = {"--layers": layers, "--d": args.d, "--batch": args.batch}
+    options = {**sizes, "--cpu-devices": args.cpu_devices, "--gpu": args.gpu}
+    cmd = [sys.executable, __file__, "--one", run]
+    cmd += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{run} at {layers} layers failed:\n{done.stderr[-4000:]}")
