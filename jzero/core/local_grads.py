@@ -51,9 +51,6 @@ def _local_shape(lay: LeafLayout) -> tuple[int, ...]:
     return tuple(shape)
 
 
-_KEEP = jax.checkpoint_policies.everything_saveable
-
-
 def local_grads(
     plan: Plan,
     loss_fn: Callable,
@@ -215,10 +212,7 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Ga
             run = call_loss
         elif plan.config.partitions_params:  # gather each parameter where it is used
             run = gather_where_used(
-                call_loss,
-                prefetch=gatherer.prefetch,
-                policy=options.remat_policy,
-                regather=options.remat_policy is None,
+                call_loss, prefetch=gatherer.prefetch, policy=options.remat_policy
             )
         else:  # stage 2 reduce-scatters each leaf where backward completes it, and a
             # scanned stack's layer by layer, inside the backward loop
@@ -230,11 +224,12 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Ga
         return loss * scale, (loss, model_state, aux)
 
     # Without remat_policy, what forward gathers whole and holds is gathered again in
-    # backward (regather). With manual_gather the user's per-layer remat (jax.checkpoint /
-    # nn.remat around the layer that calls jzero.gather) re-gathers instead, and with
-    # remat_policy each scan step's checkpoint does: an outer policy would override
-    # theirs (the outermost checkpoint decides what is saved: a nothing_saveable inside it
-    # recomputes nothing, and as the outer policy it would recompute the whole forward).
+    # backward (gather_where_used's checkpoint). With manual_gather the user's per-layer
+    # remat (jax.checkpoint / nn.remat around the layer that calls jzero.gather)
+    # re-gathers instead, and with remat_policy each scan step's checkpoint does: an
+    # outer policy would override theirs (the outermost checkpoint decides what is saved:
+    # a nothing_saveable inside it recomputes nothing, and as the outer policy it would
+    # recompute the whole forward).
     return local_loss
 
 

@@ -73,19 +73,18 @@ def gather_where_used(
     prefetch: bool = False,
     policy: Callable[..., Any] | None = None,
     scans_only: bool = False,
-    regather: bool = False,
 ) -> Callable[..., Any]:
     """``fn(params, *args)`` for ``params`` holding :class:`Sharded` handles, each gathered
     where ``fn`` uses it (per layer inside scans over stacked parameters). ``policy``: what
     backward keeps of each scan step and each repeated layer of an unrolled model
     (:attr:`jzero.StepOptions.remat_policy`).
 
-    ``regather``: backward gathers again what forward gathered whole and held (a parameter
-    used more than once, a scan's constants, one read by a loop or branch): the evaluation
-    runs under a checkpoint that keeps every activation but no gathered parameter. Where
-    every parameter is gathered at its one use (each use re-gathers in backward itself)
-    there is nothing for that checkpoint to act on, and it is left off: it re-traces and
-    re-stages the whole loss for nothing.
+    Without ``policy`` (stage 3), backward gathers again what forward gathered whole and
+    held (a parameter used more than once, a scan's constants, one read by a loop or
+    branch): the evaluation runs under a checkpoint that keeps every activation but no
+    gathered parameter. Where every parameter is gathered at its one use (each use
+    re-gathers in backward itself) there is nothing for that checkpoint to act on, and it
+    is left off: it would re-trace and re-stage the whole loss for nothing.
 
     ``scans_only`` (stage 2, whose handles hold the whole parameter): only scans over
     stacked parameters, and loops that index them, take them one layer at a time, so that
@@ -94,6 +93,8 @@ def gather_where_used(
 
     Equal to ``fn(jzero.gather(params), *args)`` in value and gradient.
     """
+
+    regather = policy is None and not scans_only  # a stage-2 handle holds no gather
 
     def call(params: Any, *args: Any) -> Any:
         try:
