@@ -208,8 +208,8 @@ def _local_loss(plan, call_loss, wrap, scale, options: StepOptions, gatherer: Ga
 
     def local_loss(d, model_state, micro_batch):
         p = jax.tree.unflatten(plan.params_def, wrap(d))
-        if options.manual_gather:
-            run = call_loss
+        if options.manual_gather or not plan.config.partitions_grads:
+            run = call_loss  # it gathers itself, or stages 0/1: it sees no handle
         elif plan.config.partitions_params:  # gather each parameter where it is used
             run = gather_where_used(
                 call_loss, prefetch=gatherer.prefetch, policy=options.remat_policy

@@ -228,13 +228,19 @@ def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dic
     def dry(params: Any, *args: Any) -> list:
         rules = _Gathering(_handles(params), shared=frozenset(), counting=True)
         found.append(rules)
-        return run(traced, jax.tree.leaves((params, args)), rules, before=rules.entering)
+        run(traced, jax.tree.leaves((params, args)), rules, before=rules.entering)
+        return []  # the run's outputs are _NOT_BOUND
 
     trace(dry, params, *args)
     rules = found[0]
     shared = frozenset(k for k, n in rules.uses.items() if n > 1)
     holds = bool(shared) or rules.own_layers or rules.reads_whole
     return shared, None if rules.own_layers else dict(rules.reads), holds
+
+
+_NOT_BOUND = object()
+"""What the dry run (counting) gives for an equation's outputs: it binds nothing, as only
+which equations read which parameters counts, and an unbound equation costs no trace."""
 
 
 class _Gathering(Interpreter):
@@ -273,6 +279,7 @@ class _Gathering(Interpreter):
         self.policy, self.scans_only = policy, scans_only
         self.uses: collections.Counter[int] = collections.Counter()
         self._keys = itertools.count()
+        self.uses_built: dict[Any, Callable] = {}  # deferred.use's, by what they compute
 
     def entering(self, index: int) -> None:
         """Counting: the top-level equation ``index`` is evaluated next."""
@@ -286,11 +293,21 @@ class _Gathering(Interpreter):
         del atom
         if self.counting and is_lazy(x):
             self._count(x)
+        if self.counting and isinstance(x, Deferred | Derived):
+            return _NOT_BOUND  # nothing gathered: the dry run binds nothing
         if isinstance(x, Derived):
             return x.value()
         return x.full() if isinstance(x, Deferred) else x  # first use: gathered here
 
     def apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
+        outs = self._apply(eqn, values)
+        if outs is not None or not self.counting:
+            return outs
+        for x, atom in zip(values, eqn.inputs):  # counting binds nothing: it reads
+            self.read(x, atom)
+        return [_NOT_BOUND] * len(eqn.outputs)
+
+    def _apply(self, eqn: Equation, values: list[Any]) -> list[Any] | None:
         if eqn.kind is Kind.CUSTOM_VJP and (handle := self._gathered(eqn, values)) is not None:
             return [self._deferred(handle)]  # jzero.gather: deferred
         if not any(isinstance(x, Deferred | Derived) for x in values):
@@ -310,7 +327,7 @@ class _Gathering(Interpreter):
             return None  # read whole where first used
         if eqn.first_order and any(map(is_lazy, values)):
             if not self.counting:
-                return use(eqn, values, self.read)
+                return use(eqn, values, self.read, self.uses_built)
             if (derived := derive(eqn, values)) is not None:  # read where it is used
                 self.uses.update(x.key for x in values if isinstance(x, Deferred))
                 self.reads[DERIVED].append(self.at)
@@ -348,6 +365,8 @@ class _Gathering(Interpreter):
         x, i = values[0], eqn.leading_index(values)
         if i is None or not isinstance(x, Deferred) or not x.indexable():
             return None
+        if i is _NOT_BOUND:  # counting: any layer stands for the one indexed
+            i = 0
         return self._deferred(x.layer(i), parent=x)
 
     def _gathered(self, eqn: Equation, values: list[Any]) -> Sharded | None:

@@ -10,6 +10,8 @@ gathers ``w`` once ``x`` exists and, in backward, again once the cotangent of ``
 exists. So about one layer's gathered parameters are alive at a time, forward and
 backward; every activation is kept (nothing is recomputed but the gather and the
 reshapes or casts of the weight, FSDP's trade); each weight is all-gathered twice per step.
+The layers of an unrolled model repeat the same uses: each kind of use is one ``jit``,
+traced and differentiated once, that every layer calls.
 Without those data dependencies XLA:CPU merges the backward gather into the forward one
 (common-subexpression elimination) and holds every gathered weight through backward.
 
@@ -120,7 +122,9 @@ def _bases(values: list[Any]) -> list[Deferred]:
     return list(out.values())
 
 
-def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any]) -> list[Any]:
+def use(
+    eqn: Equation, values: list[Any], read: Callable[[Any], Any], uses: dict | None = None
+) -> list[Any]:
     """``eqn`` applied to ``values``, some of them lazy (:func:`is_lazy`).
 
     Computed from lazy values and literals alone, its outputs are :class:`Derived`.
@@ -128,11 +132,45 @@ def use(eqn: Equation, values: list[Any], read: Callable[[Any], Any]) -> list[An
     parameters there and again in backward, keeping only its inputs (the gathered
     parameters and what is derived from them are never saved; ``eqn``'s output is, by
     the step's policy); every other value is ``read`` and passed to it.
+
+    ``uses``: the uses built so far, by :func:`_use_key`. A use equal to an earlier one
+    (the same equation of another layer of an unrolled model) calls the earlier one's
+    ``jit``, so JAX traces, differentiates and lowers it once, not once per layer.
     """
     if (derived := derive(eqn, values)) is not None:
         return derived
     static = [is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)]
-    return gathered_at(lambda inputs: bind_in_context(eqn, inputs), values, static, read)
+    bases = _bases(values)
+    key = None if uses is None else _use_key(eqn, values, static, bases)
+    if key is None:
+        return gathered_at(lambda inputs: bind_in_context(eqn, inputs), values, static, read)
+    if key not in uses:
+        region = _region(lambda inputs: bind_in_context(eqn, inputs), values, static, bases)
+        uses[key] = jax.jit(remat_layer(region))
+    given = [read(x) for x, s in zip(values, static) if not s]
+    return uses[key]([b.handle for b in bases], *given)
+
+
+def _use_key(eqn: Equation, values: list[Any], static: list[bool], bases: list) -> Any:
+    """What a use computes, given its inputs: ``eqn``'s signature, and per value whether it
+    is passed in or which of ``bases`` it is computed from, and how. None where an
+    equation's signature is unknown."""
+    position = {id(b): i for i, b in enumerate(bases)}
+
+    def of(x: Any, passed: bool) -> Any:
+        if passed:
+            return "given"
+        if isinstance(x, Deferred):
+            return ("parameter", position[id(x)])
+        if isinstance(x, Derived):
+            inner = tuple(of(y, False) for y in x.inputs)
+            sig = x.eqn.signature()
+            return None if sig is None or None in inner else (sig, x.index, inner)
+        return "literal"  # in its equation's signature
+
+    keys = tuple(of(x, not s) for x, s in zip(values, static))
+    sig = eqn.signature()
+    return None if sig is None or None in keys else (sig, keys)
 
 
 def derive(eqn: Equation, values: list[Any]) -> list[Derived] | None:
@@ -155,6 +193,13 @@ def gathered_at(
     ``static``: which values are lazy or constants (computed inside, never passed); the
     others are ``read`` and passed in."""
     bases = _bases(values)
+    layer = remat_layer(_region(fn, values, static, bases), policy=policy)
+    return layer([b.handle for b in bases], *(read(x) for x, s in zip(values, static) if not s))
+
+
+def _region(fn: Callable, values: list[Any], static: list[bool], bases: list) -> Callable:
+    """``region(full_params, *args)``: ``fn`` of ``values``, the lazy ones computed from
+    ``full_params`` (``bases`` gathered, in order) and the others given as ``args``."""
     given = [i for i, s in enumerate(static) if not s]
 
     def region(full_params: list, *args: Any) -> list:
@@ -164,5 +209,4 @@ def gathered_at(
             inputs[i] = a
         return fn(inputs)
 
-    layer = remat_layer(region, policy=policy)
-    return layer([b.handle for b in bases], *(read(values[i]) for i in given))
+    return region

@@ -13,6 +13,7 @@ the step that gathers the whole model once, and values equal to single-device Op
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -223,6 +224,26 @@ def test_only_a_held_parameter_puts_the_loss_under_a_checkpoint():
     )
     assert marks(loop_loss) == 0
     assert marks(tied_loss) > 0
+
+
+FUNCTION = re.compile(r"func\.func (?:private |public )?@([\w.]+)")  # a lowered function's name
+
+
+def test_a_use_repeated_in_every_layer_is_traced_once():
+    """Each layer's use of its weights (``x @ w1``, ``h @ w2``) is the same computation in
+    every layer: jzero traces and differentiates it once, as one ``jit`` the layers call.
+    The lowered step defines the same functions, holding the same all-gathers, however
+    deep the model; only the calls grow."""
+
+    def lowered(depth: int) -> tuple[list[str], int, int]:
+        opt = jzero.ZeroOptimizer(TX(), jzero.data_mesh(), stage=3)
+        params = {"blocks": listed()["blocks"][:depth]}
+        text = opt.train_step(loop_loss).lower(opt.init(params), batches(1)[0]).as_text()
+        return sorted(FUNCTION.findall(text)), text.count("all_gather"), text.count("call @")
+
+    (functions, gathers, calls), deeper = lowered(2), lowered(4)
+    assert deeper[:2] == (functions, gathers)
+    assert deeper[2] > calls
 
 
 # With StepOptions(remat_policy=...) backward recomputes activations layer by layer: the
