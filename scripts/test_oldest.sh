@@ -48,6 +48,8 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     tests/checkpoint/test_typed_key_state.py \
     tests/core/gather/test_autogather.py::test_a_scan_runs_as_two_loops_saving_each_layers_input_once \
     "tests/core/gather/test_unrolled_stage3.py::test_only_a_held_parameter_puts_the_loss_under_a_checkpoint" \
+    "tests/core/gather/test_unrolled_stage3.py::test_a_use_repeated_in_every_layer_is_traced_once" \
+    "tests/core/gather/test_unrolled_stage3.py::test_matches_single_device_optax[loop]" \
     "$@"
 # test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
 # minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.
