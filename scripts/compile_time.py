@@ -15,7 +15,8 @@ A model of unrolled layers (a Python loop over a list of layers, 5 leaves each: 
 
 Per run: seconds to trace, lower, compile and run the first step (``first_s``: their
 sum, what a user waits for), and the compiled HLO's line count. Every measurement runs in
-a fresh subprocess, so no compilation cache carries over between runs. Target: every
+a fresh subprocess, so no compilation cache carries over between runs; with ``--repeat``
+each size is measured in rounds of every run, and each run's fastest try is kept. Target: every
 run at most :data:`TARGET` x ``dp``'s ``first_s`` at every size.
 
     python scripts/compile_time.py --repeat 2 --json benchmarks/compile_time_cpu8.json
@@ -224,8 +225,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs = args.runs.split(",")
     results = []
     for layers in sizes:
-        for run in runs:  # the fastest of --repeat fresh processes: the least disturbed
-            tries = [in_subprocess(run, args, layers) for _ in range(args.repeat)]
+        # Round after round of every run: a machine whose speed drifts slows every run
+        # alike, not the ones measured last. Each run's fastest try: the least disturbed.
+        rounds = [[in_subprocess(run, args, layers) for run in runs] for _ in range(args.repeat)]
+        for run, tries in zip(runs, zip(*rounds)):
             r = min(tries, key=lambda r: r["first_s"])
             print(
                 f"{r['leaves']:4d} leaves  {run:6s} first {r['first_s']:7.2f} s  "
