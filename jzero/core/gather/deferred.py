@@ -142,11 +142,11 @@ def use(
     static = [is_literal(a) or is_lazy(x) for x, a in zip(values, eqn.inputs)]
     bases = _bases(values)
     key = None if uses is None else _use_key(eqn, values, static, bases)
+    bound = lambda inputs: bind_in_context(eqn, inputs)
     if key is None:
-        return gathered_at(lambda inputs: bind_in_context(eqn, inputs), values, static, read)
+        return gathered_at(bound, values, static, read)
     if key not in uses:
-        region = _region(lambda inputs: bind_in_context(eqn, inputs), values, static, bases)
-        uses[key] = jax.jit(remat_layer(region))
+        uses[key] = jax.jit(remat_layer(_region(bound, values, static, bases)))
     given = [read(x) for x, s in zip(values, static) if not s]
     return uses[key]([b.handle for b in bases], *given)
 
