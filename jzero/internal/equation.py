@@ -9,11 +9,10 @@ inputs, :func:`defined` lists every variable its top level holds, and an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
@@ -103,12 +102,6 @@ def _open(jaxpr: ClosedJaxpr | Jaxpr) -> Jaxpr:
 
 def is_literal(atom: Var | Literal) -> bool:
     return isinstance(atom, Literal)
-
-
-def _literal_key(val: Any) -> tuple:
-    """A literal's value, exactly (its bytes), as a hashable key."""
-    array = np.asarray(val)
-    return array.dtype.str, array.shape, array.tobytes()
 
 
 class Equation:
@@ -254,21 +247,6 @@ class Equation:
         """A ``custom_vjp`` equation's operands without the constants JAX puts first: the
         arguments the user's function was called with, flattened."""
         return list(operands[self._param("num_consts") :])
-
-    def signature(self) -> Hashable | None:
-        """What binding this equation computes besides its operands' values: its primitive,
-        parameters, literals, operand types and context. Two equations of equal signature
-        bound to the same operands give the same outputs. None where a parameter cannot be
-        hashed."""
-        e = self.jaxpr_eqn
-        literals = tuple(_literal_key(a.val) if isinstance(a, Literal) else None for a in e.invars)
-        types = tuple(str(a.aval) for a in e.invars)
-        key = (e.primitive, tuple(sorted(e.params.items())), literals, types, e.ctx)
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
 
     @property
     def first_order(self) -> bool:

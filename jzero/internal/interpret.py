@@ -13,10 +13,11 @@ and XLA metadata), and re-applies higher-order primitives (:func:`rebind`: ``jit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, MutableMapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from .equation import Equation, closed
@@ -189,6 +190,28 @@ def bind_in_context(eqn: Equation, args: Sequence[Any]) -> list:
     again in a backward pass)."""
     with eqn.jaxpr_eqn.ctx.manager:
         return bind(eqn, args)
+
+
+def binding_key(eqn: Equation) -> Hashable | None:
+    """What :func:`bind_in_context` computes from ``eqn`` besides its operands' values: its
+    primitive, parameters, literals (by their bytes), operand types and context. Two
+    equations of equal key bound to the same operands give the same outputs. None where a
+    parameter cannot be hashed."""
+    e = eqn.jaxpr_eqn
+    literals = tuple(_literal_key(a.val) if isinstance(a, Literal) else None for a in e.invars)
+    types = tuple(str(a.aval) for a in e.invars)
+    key = (e.primitive, tuple(sorted(e.params.items())), literals, types, e.ctx)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _literal_key(val: Any) -> tuple:
+    """A literal's value, exactly (its bytes), as a hashable key."""
+    array = np.asarray(val)
+    return array.dtype.str, array.shape, array.tobytes()
 
 
 REBINDS = frozenset({Kind.CALL, Kind.REMAT, Kind.SCAN, Kind.COND, Kind.WHILE})

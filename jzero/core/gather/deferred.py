@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ...internal.equation import Equation, is_literal
-from ...internal.interpret import bind_in_context
+from ...internal.interpret import bind_in_context, binding_key
 from ..comm.collectives import GATHERED
 from ..comm.gatherer import Sharded
 from .remat import remat_layer
@@ -152,9 +152,9 @@ def use(
 
 
 def _use_key(eqn: Equation, values: list[Any], static: list[bool], bases: list) -> Any:
-    """What a use computes, given its inputs: ``eqn``'s signature, and per value whether it
+    """What a use computes, given its inputs: ``eqn``'s binding key, and per value whether it
     is passed in or which of ``bases`` it is computed from, and how. None where an
-    equation's signature is unknown."""
+    equation's key is unknown."""
     position = {id(b): i for i, b in enumerate(bases)}
 
     def of(x: Any, passed: bool) -> Any:
@@ -164,12 +164,12 @@ def _use_key(eqn: Equation, values: list[Any], static: list[bool], bases: list) 
             return ("parameter", position[id(x)])
         if isinstance(x, Derived):
             inner = tuple(of(y, False) for y in x.inputs)
-            sig = x.eqn.signature()
+            sig = binding_key(x.eqn)
             return None if sig is None or None in inner else (sig, x.index, inner)
-        return "literal"  # in its equation's signature
+        return "literal"  # in its equation's key
 
     keys = tuple(of(x, not s) for x, s in zip(values, static))
-    sig = eqn.signature()
+    sig = binding_key(eqn)
     return None if sig is None or None in keys else (sig, keys)
 
 

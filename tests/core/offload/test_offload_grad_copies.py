@@ -64,19 +64,48 @@ def _opt(stage: int, offload=ON_HOST, **kwargs) -> jzero.ZeroOptimizer:
     )
 
 
+def _functions(text: str) -> dict[str, str]:
+    """Each function of a lowered module, by name: its body's text."""
+    parts = re.split(r"^  func\.func \w+ @([\w.]+)", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _runs(functions: dict[str, str]) -> dict[str, int]:
+    """How many times each function runs per run of ``main``: each of its call sites, times
+    its caller's runs (stage 3 traces a layer's use once and calls it from every layer)."""
+    runs = {"main": 1}
+
+    def count(name: str) -> int:
+        if name not in runs:
+            sites = {
+                g: len(re.findall(rf"call @{re.escape(name)}\(", b)) for g, b in functions.items()
+            }
+            runs[name] = sum(count(g) * n for g, n in sites.items() if n and g != name)
+        return runs[name]
+
+    return {name: count(name) for name in functions}
+
+
 def _reduce_scatters(text: str) -> list[tuple[str, bool]]:
-    """Each reduce-scatter of a lowered module (``as_text(debug_info=True)``): its name
-    stack (JAX's, e.g. ``transpose(...)/while/body/...``) and whether its result is moved
-    to pinned host memory by the very next use of it."""
-    lines, found = text.splitlines(), []
+    """Each reduce-scatter a run of a lowered module (``as_text(debug_info=True)``) does,
+    once per run of the function holding it: its name stack (JAX's, e.g.
+    ``transpose(...)/while/body/...``) and whether its result is moved to pinned host memory
+    by the very next use of it, in that function."""
     locs = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, re.M))
-    for i, line in enumerate(lines):
-        if (m := re.search(r'(%[\w#]+) = "stablehlo.reduce_scatter"', line)) is None:
-            continue
-        close = next(x for x in lines[i + 1 :] if x.strip().startswith("}) :"))
-        loc = re.search(r"loc\((#loc\d+)\)\s*$", close)
-        placed = rf"annotate_device_placement\({m[1]}\).*_xla_buffer_placement = \"pinned_host\""
-        found.append((locs.get(loc[1], "") if loc else "", re.search(placed, text) is not None))
+    functions, found = _functions(text), []
+    for name, runs in _runs(functions).items():
+        body = functions[name]
+        lines = body.splitlines()
+        for i, line in enumerate(lines):
+            if (m := re.search(r'(%[\w#]+) = "stablehlo.reduce_scatter"', line)) is None:
+                continue
+            close = next(x for x in lines[i + 1 :] if x.strip().startswith("}) :"))
+            loc = re.search(r"loc\((#loc\d+)\)\s*$", close)
+            placed = (
+                rf"annotate_device_placement\({m[1]}\).*_xla_buffer_placement = \"pinned_host\""
+            )
+            copied = re.search(placed, body) is not None
+            found += [(locs.get(loc[1], "") if loc else "", copied)] * runs
     return found
 
 
