@@ -6,6 +6,8 @@ unmodified Optax.
 """
 
 import os
+import shutil
+import tempfile
 
 # The CPU alone, in this process and in the processes tests start: with JAX's CUDA plugin
 # installed (the gpu-compile extra, for jzero.gpu_mesh) and no GPU, JAX would otherwise try
@@ -16,3 +18,26 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+
+# One persistent XLA compilation cache per test session, shared by the xdist workers (they
+# start after this module is imported in the controller, and inherit its environment):
+# the suite compiles the same programs many times over (the single-device Optax oracle of
+# each parity case, a configuration's step in every test that checks one property of it),
+# and a hit skips XLA's compile (tests/core/test_parity.py: a third less CPU time from a
+# cold cache). An executable read back is the one written, so no assertion changes. XLA's
+# own GPU caches stay off: a compile for GPUs that are not there keeps the options jzero
+# gives it. Those compiles are written but cannot be read back (JAX's compile-only client
+# cannot deserialize); pyproject.toml ignores JAX's warning for them, and they compile
+# again, as without the cache.
+_CACHE_VAR = "JZERO_TEST_COMPILATION_CACHE"
+_OWN_CACHE = _CACHE_VAR not in os.environ
+if _OWN_CACHE:
+    os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="jzero-test-xla-cache-")
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VAR])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)
+jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ[_CACHE_VAR], ignore_errors=True)
