@@ -42,14 +42,22 @@ MARGIN = 2.0  # seconds the watchdog leaves, at the least, before JAX's earliest
 _leaving = threading.Lock()  # the first of the watchdog and the loop to leave speaks
 
 
+def _say(line: str) -> None:
+    """Writes ``line`` to stderr in one write: JAX's C++ threads write there too, and a
+    line printed in two writes (text, then newline) can take theirs into its middle."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a file (a notebook)
+        print(line, end="", file=sys.stderr, flush=True)
+        return
+    os.write(fd, line.encode())
+
+
 def _leave(message: str) -> None:
     _leaving.acquire()  # a second caller waits here for the first one's exit
     sys.stdout.flush()
-    print(
-        f"jzero: process {jax.process_index()} of {jax.process_count()}: {message}",
-        file=sys.stderr,
-        flush=True,
-    )
+    _say(f"jzero: process {jax.process_index()} of {jax.process_count()}: {message}\n")
     os._exit(EXIT_STATUS)  # skip atexit: jax.distributed.shutdown would wait for the dead
 
 

@@ -12,6 +12,7 @@ says it was stopped and blames no peer. A single process stopped for a while car
 from __future__ import annotations
 
 import importlib.util
+import io
 import re
 import signal
 import subprocess
@@ -192,6 +193,32 @@ def test_stall_report_when_the_store_is_silent_or_fails(monkeypatch):
         "the other processes' progress could not be read (RuntimeError: UNAVAILABLE: Socket "
         "closed)."
     )
+
+
+def test_the_leaving_line_is_one_write_so_no_cpp_log_lands_inside_it(monkeypatch):
+    # JAX's C++ threads write to fd 2 too: a line printed as text then newline once took
+    # a coordination-service error into its middle (CI, stop 55)
+    writes = []
+    monkeypatch.setattr(watchdog.os, "write", lambda fd, data: writes.append((fd, data)))
+    watchdog._say("jzero: process 1 of 2: stopped.\n")
+    assert writes == [(sys.stderr.fileno(), b"jzero: process 1 of 2: stopped.\n")]
+
+    class Notebook:  # a stream without a file descriptor (as ipykernel's): printed whole
+        def __init__(self):
+            self.text = []
+
+        def fileno(self):
+            raise io.UnsupportedOperation("fileno")
+
+        def write(self, text):
+            self.text.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Notebook())
+    watchdog._say("jzero: left.\n")
+    assert "".join(sys.stderr.text) == "jzero: left.\n" and len(writes) == 1
 
 
 _STOPPABLE = (
