@@ -14,7 +14,8 @@
 # checkpoints that reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for
 # absent GPUs (the CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's
 # value_fn, typed keys, complex parameters), and the GPU check's fast tests
-# (test_gpu_check).
+# (test_gpu_check). --dist loadgroup: each group's shared compiles (the GPU programs, one
+# group per mesh) are made once, on one worker.
 # scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
 # jzero.gpu_mesh's tests: the CUDA plugin (compile-only) at the oldest jaxlib, 0.11.2
 .venv-oldest/bin/python -m pip install -q -e '.[dev,gpu-compile]' -c ci/oldest-pins.txt \
     'jax-cuda12-plugin==0.11.2' 'jax-cuda12-pjrt==0.11.2'
-.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
+.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" --dist loadgroup \
     tests/internal/test_versions.py tests/internal/test_jax_internals.py \
     tests/core/test_moved_internals.py tests/core/test_compile_options.py \
     tests/accounting/test_hlo_stages.py \

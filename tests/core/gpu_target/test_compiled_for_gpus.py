@@ -8,7 +8,8 @@ its schedule (what runs between an asynchronous collective's start and done) and
 buffer assignment (``memory_analysis()``). A compile is a fact about the GPU program, so
 these are exact assertions; times stay with a lent GPU.
 
-The compiles (15, 20-60 s each on 2 cores) run on one xdist worker (``xdist_group``).
+The compiles (18, 20-60 s each on 2 cores) run in two xdist groups, one per mesh (8 and
+64 GPUs): each program compiles on one worker only, and the two workers share them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,17 @@ pytest.importorskip(
     reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
     "'jax-cuda12-plugin==V' 'jax-cuda12-pjrt==V' (V = jaxlib's version)",
 )
-pytestmark = pytest.mark.xdist_group("gpu_compile")
+
+
+def on(devices: int):
+    """The xdist group of the tests that read programs compiled for ``devices`` GPUs."""
+    return pytest.mark.xdist_group(f"gpu_compile_{devices}")
+
+
+def grouped(cases):
+    """``cases`` as ``pytest.param`` s, each in the group of its mesh."""
+    return [pytest.param(*case, marks=on(case[-1])) for case in cases]
+
 
 programs = load_script("gpu_compile")  # the programs, and their figures for the JSON
 L, PSI, STACK = programs.L, programs.PSI, programs.STACK
@@ -37,8 +48,9 @@ STEPS = {"jzero": jzero_step, "user": user_step}
 ZERO = [(kind, stage) for kind in STEPS for stage in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("devices", [8, 64])
-@pytest.mark.parametrize(("kind", "stage"), ZERO)
+@pytest.mark.parametrize(
+    ("kind", "stage", "devices"), grouped((*z, n) for z in ZERO for n in (8, 64))
+)
 def test_no_gradient_is_all_reduced_at_stages_1_to_3(kind, stage, devices):
     """Gradients are reduce-scattered. jzero's step all-reduces scalars alone (the loss, the
     gradient norm); in the user's step the compiler places the collectives, and on 64 GPUs
@@ -59,7 +71,7 @@ VOLUMES = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "stage", "devices"), VOLUMES)
+@pytest.mark.parametrize(("kind", "stage", "devices"), grouped(VOLUMES))
 def test_elements_sent_are_the_papers_2_2_and_3_psi(kind, stage, devices):
     """The ZeRO paper's volumes, 2Ψ (stages 0-2) and 3Ψ (stage 3) per device in the ring
     model, counted in elements: XLA may move a bf16 cast of a parameter or gradient."""
@@ -68,6 +80,7 @@ def test_elements_sent_are_the_papers_2_2_and_3_psi(kind, stage, devices):
     assert program.elements() == pytest.approx(theory, rel=0.02), program.elements() / theory
 
 
+@on(8)
 def test_stage_3_gathers_each_layer_inside_the_forward_and_backward_loops():
     program = jzero_step(3)
     gathered = program.in_loops("all-gather")
@@ -79,6 +92,7 @@ def test_stage_3_gathers_each_layer_inside_the_forward_and_backward_loops():
     assert in_loop >= 2 * stack * (L - 1) / L, (in_loop, stack)
 
 
+@on(8)
 @pytest.mark.parametrize("kind", STEPS)
 def test_stage_2_reduce_scatters_each_layer_inside_the_backward_loop(kind):
     program = STEPS[kind](2)
@@ -86,6 +100,7 @@ def test_stage_2_reduce_scatters_each_layer_inside_the_backward_loop(kind):
     assert in_loop >= sum(x.size for x in STACK) * (L - 1) / L
 
 
+@on(8)
 def test_stage_2_holds_no_whole_stacked_gradient():
     """P23's bound: stage 2's temporaries at most stage 1's (which holds the whole local
     gradient until backward ends) less 0.8 x the stack's fp32 gradient."""
@@ -93,7 +108,7 @@ def test_stage_2_holds_no_whole_stacked_gradient():
     assert jzero_step(2).temp <= jzero_step(1).temp - 0.8 * stack, (jzero_step(2).temp, stack)
 
 
-@pytest.mark.parametrize(("stage", "devices"), [(2, 8), (3, 8), (2, 64), (3, 64)])
+@pytest.mark.parametrize(("stage", "devices"), grouped([(2, 8), (3, 8), (2, 64), (3, 64)]))
 def test_no_loop_carries_a_layers_full_gradients_into_the_next_step(stage, devices):
     """XLA:GPU pipelines a loop's reduce-scatters into the next step by default, carrying
     each layer's full weight gradients along; jzero's step is compiled with the pipeliner
@@ -102,7 +117,7 @@ def test_no_loop_carries_a_layers_full_gradients_into_the_next_step(stage, devic
     assert programs.layer_arrays_carried(program) == 0, program.carried
 
 
-@pytest.mark.parametrize(("stage", "devices"), [(s, n) for s in range(4) for n in (8, 64)])
+@pytest.mark.parametrize(("stage", "devices"), grouped((s, n) for s in range(4) for n in (8, 64)))
 def test_the_layers_inputs_are_one_stack_saved_by_forward_and_read_by_backward(stage, devices):
     """At stage 3 the step's outer checkpoint once made JAX save each layer's output and
     stage a third loop rebuilding the inputs from it: two stacks alive at once, 2.3 GB of
@@ -111,6 +126,7 @@ def test_the_layers_inputs_are_one_stack_saved_by_forward_and_read_by_backward(s
     assert programs.activation_stacks(program, devices) == 2, program.carried
 
 
+@on(8)
 def test_pipeline_scatter_carries_them_for_more_memory():
     """``Communication(pipeline_scatter=True)`` leaves XLA's pipeliner on: the backward
     loop carries one layer's four fp32 weight gradients, and the step needs more memory."""
@@ -121,6 +137,7 @@ def test_pipeline_scatter_carries_them_for_more_memory():
     assert pipelined.temp > default.temp, (pipelined.temp, default.temp)
 
 
+@on(8)
 def test_jzero_report_reads_the_compiled_step():
     """``jzero.report`` on an abstract state: the plan's model states against the paper's,
     and the collectives of the step compiled for the GPUs."""
@@ -132,6 +149,7 @@ def test_jzero_report_reads_the_compiled_step():
     assert report.comm_bytes["all-gather"] > 0 and report.peak_bytes > 0
 
 
+@on(8)
 def test_prefetch_puts_compute_under_every_all_gather_in_the_loops():
     """``Communication(prefetch=True)``: each in-loop all-gather of forward and backward has
     a layer's compute scheduled between its start and its done."""
@@ -140,15 +158,18 @@ def test_prefetch_puts_compute_under_every_all_gather_in_the_loops():
     assert looped and all(o.asynchronous and o.overlaps for o in looped), looped
 
 
+@on(8)
 def test_stage_0_is_within_5_percent_of_plain_data_parallel():
     assert jzero_step(0).temp <= 1.05 * plain_step().temp, (jzero_step(0).temp, plain_step().temp)
 
 
+@on(8)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_stages_1_to_3_need_no_more_than_stage_0(stage):
     assert jzero_step(stage).temp <= jzero_step(0).temp
 
 
+@on(8)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_states_are_the_papers_in_the_buffer_assignment(stage):
     """The step's inputs, per device: parameters (fp32, 4 bytes) whole at stages 0-2 and
