@@ -51,7 +51,9 @@ def _say(line: str) -> None:
     except (AttributeError, OSError, ValueError):  # a stream without a file (a notebook)
         print(line, end="", file=sys.stderr, flush=True)
         return
-    os.write(fd, line.encode())
+    data = line.encode()
+    while data:  # one write but for a line longer than the pipe's buffer
+        data = data[os.write(fd, data) :]
 
 
 def _leave(message: str) -> None:

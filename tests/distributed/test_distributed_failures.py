@@ -199,7 +199,9 @@ def test_the_leaving_line_is_one_write_so_no_cpp_log_lands_inside_it(monkeypatch
     # JAX's C++ threads write to fd 2 too: a line printed as text then newline once took
     # a coordination-service error into its middle (CI, stop 55)
     writes = []
-    monkeypatch.setattr(watchdog.os, "write", lambda fd, data: writes.append((fd, data)))
+    monkeypatch.setattr(
+        watchdog.os, "write", lambda fd, data: writes.append((fd, data)) or len(data)
+    )
     watchdog._say("jzero: process 1 of 2: stopped.\n")
     assert writes == [(sys.stderr.fileno(), b"jzero: process 1 of 2: stopped.\n")]
 
