@@ -24,7 +24,8 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
 # jzero.gpu_mesh's tests: the CUDA plugin (compile-only) at the oldest jaxlib, 0.11.2
 .venv-oldest/bin/python -m pip install -q -e '.[dev,gpu-compile]' -c ci/oldest-pins.txt \
     'jax-cuda12-plugin==0.11.2' 'jax-cuda12-pjrt==0.11.2'
-.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" --dist loadgroup \
+.venv-oldest/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
+    --dist loadgroup \
     tests/internal/test_versions.py tests/internal/test_jax_internals.py \
     tests/core/test_moved_internals.py tests/core/test_compile_options.py \
     tests/accounting/test_hlo_stages.py \
