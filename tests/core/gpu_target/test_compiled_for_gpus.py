@@ -36,7 +36,7 @@ def on(devices: int):
 
 
 def grouped(cases):
-    """``cases`` as ``pytest.param`` s, each in the group of its mesh."""
+    """``cases`` as ``pytest.param`` s, each in the group of its mesh (its last value)."""
     return [pytest.param(*case, marks=on(case[-1])) for case in cases]
 
 
