@@ -78,7 +78,7 @@ def h100_plan():
 
 
 @needs_plugin
-@pytest.mark.xdist_group("gpu_compile")
+@pytest.mark.xdist_group("h100_plans")
 @pytest.mark.parametrize("target", ["h100:8", "mesh"])
 def test_a_plan_for_gpus_that_are_not_here(target, request):
     """Compiled for 8 H100s (a string, or a jzero.gpu_mesh): the chosen configuration's
@@ -115,7 +115,7 @@ def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it():
 
 
 @needs_plugin
-@pytest.mark.xdist_group("gpu_compile")
+@pytest.mark.xdist_group("h100_plans")
 def test_the_answer_shows_the_next_larger_micro_batch_does_not_fit(h100_plan):
     """With a budget just under the one-micro-batch step's compiled peak, the chosen
     configuration takes two micro-batches, and ``choice.larger`` is that same

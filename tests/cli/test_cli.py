@@ -313,7 +313,7 @@ def test_autoconfigure_help_says_what_the_factory_returns(capsys):
 @pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins.xla_cuda12") is None, reason="needs jzero[gpu-compile]"
 )
-@pytest.mark.xdist_group("gpu_compile")
+@pytest.mark.xdist_group("h100_plans")
 def test_autoconfigure_plans_for_gpus_that_are_not_here(capsys):
     argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "2", "--target"]
     assert main([*argv, "h100:8", "--json"]) == 0
