@@ -19,7 +19,7 @@ a fresh subprocess, so no compilation cache carries over between runs; with ``--
 each size is measured in rounds of every run, and each run's fastest try is kept. Target: every
 run at most :data:`TARGET` x ``dp``'s ``first_s`` at every size.
 
-    python scripts/compile_time.py --repeat 2 --json benchmarks/compile_time_cpu8.json
+    python scripts/compile_time.py --repeat 3 --json benchmarks/compile_time_cpu8.json
     python scripts/compile_time.py --quick          # one small size (~1 min)
     python scripts/compile_time.py --repeat 2 --gpu h200 --json benchmarks/compile_time_h200.json
 """
