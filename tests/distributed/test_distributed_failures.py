@@ -223,6 +223,17 @@ def test_the_leaving_line_is_one_write_so_no_cpp_log_lands_inside_it(monkeypatch
     assert "".join(sys.stderr.text) == "jzero: left.\n" and len(writes) == 1
 
 
+def test_a_leaving_line_the_pipe_takes_in_parts_is_written_whole(monkeypatch):
+    # a pipe may take a line longer than its buffer in parts: the rest is written again
+    writes = []
+    monkeypatch.setattr(
+        watchdog.os, "write", lambda fd, data: writes.append(bytes(data[:7])) or min(7, len(data))
+    )
+    line = "jzero: process 1 of 2: a message longer than one write takes.\n"
+    watchdog._say(line)
+    assert b"".join(writes) == line.encode() and len(writes) == -(-len(line) // 7)
+
+
 _STOPPABLE = (
     "import sys, time, jzero\n"
     "w = jzero.distributed.watchdog.Watchdog(float(sys.argv[1])).start()\n"
