@@ -11,6 +11,7 @@ reduce-scatters the gradient with the step's :class:`.reducer.Reducer`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from functools import partial
@@ -150,12 +151,14 @@ _use_group.defvjp(_use_group_fwd, _use_group_bwd)
 
 def _hpz_gather(handles: Sequence[Sharded], *, flat: bool) -> list:
     """hpZ handles (one value dtype) gathered in two steps (:mod:`.hpz`), their secondary
-    copy made here unless the handle carries it (one handle)."""
+    copy made here, or, where they carry theirs, those side by side: the columns of
+    their flat vectors, as :func:`secondary_copy` of them all would make it."""
     values, layouts = [h.value for h in handles], tuple(h.layout for h in handles)
     first = handles[0]
-    secondary = first.secondary
-    if secondary is None:
+    if all(h.secondary is None for h in handles):
         secondary = secondary_copy(values, layouts, first.gatherer.hpz, first.gatherer.quant)
+    else:
+        secondary = jnp.concatenate([h.with_secondary().secondary for h in handles], axis=1)
     shapes = tuple(tuple(x.shape) for x in values)
     sinks = [h.sink for h in handles]
     no_copies(handles, "hpZ's group gather")
@@ -224,13 +227,15 @@ class Sharded:
         how = (self.layout,), self.gatherer, self.reducer
         return _use([self.sink], [self.host_copy], [self.value], *how)[0]
 
-    def with_secondary(self) -> Sharded:
-        """This handle carrying its secondary copy (hpZ's first gather done now); itself
+    def with_secondary(self, secondary: jax.Array | None = None) -> Sharded:
+        """This handle carrying its secondary copy: ``secondary`` (its columns of a
+        bucket's, :func:`with_secondaries`), or hpZ's first gather done now; itself
         without hpZ."""
         if self.hpz is None or self.secondary is not None:
             return self
-        quant = self.gatherer.quant
-        secondary = secondary_copy([self.value], (self.layout,), self.hpz, quant)
+        if secondary is None:
+            quant = self.gatherer.quant
+            secondary = secondary_copy([self.value], (self.layout,), self.hpz, quant)
         how = self.layout, self.gatherer, self.reducer
         return Sharded(self.sink, self.value, *how, secondary=secondary, host_copy=self.host_copy)
 
@@ -249,9 +254,19 @@ def _is_sharded(x: Any) -> bool:
 
 def with_secondaries(tree: Any) -> Any:
     """``tree`` with each hpZ handle carrying its secondary copy (:meth:`Sharded.with_secondary`):
-    what a rematerialised layer keeps for backward, which then gathers within groups only."""
-    one = lambda x: x.with_secondary() if _is_sharded(x) else x
-    return jax.tree.map(one, tree, is_leaf=_is_sharded)
+    what a rematerialised layer keeps for backward, which then gathers within groups only.
+    Bucketed handles make theirs in one flat gather per bucket, each keeping its columns."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
+    pending = lambda x: _is_sharded(x) and x.hpz is not None and x.secondary is None
+    out = [x.with_secondary() if pending(x) and not x.gatherer.bucket else x for x in leaves]
+    for idx in _buckets(leaves, lambda x: pending(x) and x.gatherer.bucket).values():
+        hs = [leaves[i] for i in idx]
+        layouts, quant = tuple(h.layout for h in hs), hs[0].gatherer.quant
+        rows = secondary_copy([h.value for h in hs], layouts, hs[0].hpz, quant)
+        ends = list(itertools.accumulate(math.prod(h.value.shape) for h in hs))
+        for i, h, start, end in zip(idx, hs, [0, *ends], ends):
+            out[i] = h.with_secondary(rows[:, start:end])
+    return jax.tree.unflatten(treedef, out)
 
 
 def without_secondaries(tree: Any) -> Any:
@@ -261,27 +276,25 @@ def without_secondaries(tree: Any) -> Any:
     return jax.tree.map(lambda x: one(x) if _is_sharded(x) else x, tree, is_leaf=_is_sharded)
 
 
-def _hpz_bucket(handles: list[Sharded]) -> list:
-    """A bucket of hpZ handles: one flat secondary copy and one flat group gather, or, where
-    they carry secondary copies of their own (:meth:`Sharded.with_secondary`), one by one."""
-    if any(h.secondary is not None for h in handles):
-        return [h.gather() for h in handles]
-    return _hpz_gather(handles, flat=True)
+def _buckets(leaves: list, member: Any) -> dict[tuple, list[int]]:
+    """The indices of the ``member`` handles among ``leaves``, by bucket: one gatherer,
+    reducer, value dtype and gradient dtype each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if member(x):
+            dtypes = (jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype))
+            groups.setdefault((x.gatherer, x.reducer, *dtypes), []).append(i)
+    return groups
 
 
 def _gather_leaves(leaves: list) -> list:
     """Each handle gathered: alone, or with the other bucketed handles of its kind."""
     bucketed = lambda x: _is_sharded(x) and x.gatherer.bucket
     out = [x.gather() if _is_sharded(x) and not bucketed(x) else x for x in leaves]
-    groups: dict[tuple, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if bucketed(x):
-            dtypes = (jnp.dtype(x.value.dtype), jnp.dtype(x.sink.dtype))
-            groups.setdefault((x.gatherer, x.reducer, *dtypes), []).append(i)
-    for (gatherer, reducer, *_), idx in groups.items():
+    for (gatherer, reducer, *_), idx in _buckets(leaves, bucketed).items():
         hs = [leaves[i] for i in idx]
-        if hs[0].hpz is not None:
-            full = _hpz_bucket(hs)
+        if hs[0].hpz is not None:  # one flat secondary copy (or theirs), one group gather
+            full = _hpz_gather(hs, flat=True)
         else:
             full = _use(
                 [h.sink for h in hs],

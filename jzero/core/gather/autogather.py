@@ -417,8 +417,14 @@ def _scan(scan: Scan, rules: _Gathering) -> list[Any]:
         )
         return [*carry, *ys]
 
+    # A body that rematerialises layers itself gathers inside its checkpoints (in one flat
+    # collective each: remat_layer's); gathered before them, its layer's parameters would
+    # be inputs the step's checkpoint saves, with every activation its policy keeps.
+    bucketed = any(x.handle.gatherer.bucket for x in xs if isinstance(x, Deferred))
+    flat = bucketed and not _rematerialises(scan.body)
+
     def step(carry, x_slices):
-        if any(x.handle.gatherer.bucket for x in xs if isinstance(x, Deferred)):
+        if flat:
             slices = gather(list(x_slices))  # the layer's leaves in one flat collective
         else:  # each gathered where the step first uses it
             slices = [Deferred(s) if d else s for s, d in zip(x_slices, lazy)]

@@ -62,7 +62,8 @@ class Communication:
         bucket: each layer's leaves travel as one flat all-gather (stage 3) and one flat
             reduce-scatter (stages 2/3) per dtype instead of one collective per leaf
             (DeepSpeed's buckets, FSDP2's parameter groups; :mod:`jzero.core.comm.buckets`).
-            A layer is what one gather happens for: a scan step, a
+            A layer is what one gather happens for: a scan step (each ``jax.checkpoint``
+            in it where the step's body has them, as ``nn.remat`` layers do), a
             :func:`jzero.remat_layer`, a ``layers=`` block, a ``jzero.gather`` call.
             Exact (bitwise the collectives of ``bucket=False``).
         prefetch: stage 3's default gathering, in scans over stacked layers: issue layer

@@ -105,25 +105,45 @@ def _loss(params, batch):
     return jnp.mean((x_BxD @ jzero.gather(params["head"]) - batch["y"]) ** 2)
 
 
-def _batches(steps=3):
+def _remat_loss(params, batch):
+    """:func:`_loss` with each layer under the user's own ``jax.checkpoint`` (as
+    ``nn.remat`` and examples/llama.py make them), gathered by the step's default."""
+
+    @jax.checkpoint
+    def layer(x_BxD, p):
+        h_BxH = jnp.tanh(x_BxD * p["scale"] @ p["w1"] + p["b1"])
+        return x_BxD + h_BxH @ p["w2"], None
+
+    x_BxD, _ = jax.lax.scan(layer, batch["x"], params["layers"])
+    return jnp.mean((x_BxD @ params["head"] - batch["y"]) ** 2)
+
+
+def _batches(steps=3, rows=B):
     keys = jax.random.split(jax.random.key(2), steps)
-    return [{"x": jax.random.normal(k, (B, D)), "y": jax.random.normal(k, (B,))} for k in keys]
+    return [
+        {"x": jax.random.normal(k, (rows, D)), "y": jax.random.normal(k, (rows,))} for k in keys
+    ]
 
 
 @functools.cache
-def _run(stage: int, bucket: bool):
+def _run(stage: int, bucket: bool, remat: bool = False, hpz: int | None = None):
     """Stage 2 gathers per layer by hand (``jzero.gather`` in the scan body); stage 3 by
-    default (the step gathers each scan step's slices)."""
-    comm = jzero.Communication(bucket=bucket)
+    default (the step gathers each scan step's slices). ``remat``: :func:`_remat_loss`,
+    gathered by default at both stages, on 8 times the rows (its activations then
+    outweigh a layer's parameters). Returns the compiled text and temp bytes, the losses
+    and the parameters after three steps."""
+    comm = jzero.Communication(bucket=bucket, hpz=hpz)
     opt = jzero.ZeroOptimizer(optax.adam(1e-3, eps=1e-4), jzero.data_mesh(), stage=stage, comm=comm)
     state = opt.init(_params())
-    step = opt.train_step(_loss, manual_gather=stage == 2)
-    hlo = step.lower(state, _batches(1)[0]).compile().as_text()
+    loss_fn, batches = (_remat_loss, _batches(rows=8 * B)) if remat else (_loss, _batches())
+    step = opt.train_step(loss_fn, manual_gather=stage == 2 and not remat)
+    compiled = step.lower(state, batches[0]).compile()
     losses = []
-    for batch in _batches():
+    for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return hlo, losses, opt.full_params(state)
+    hlo, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+    return (hlo, temp), losses, opt.full_params(state)
 
 
 def _count(hlo: str, kind: str) -> int:
@@ -132,8 +152,8 @@ def _count(hlo: str, kind: str) -> int:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bucketed_step_sends_one_collective_per_layer(stage):
-    per_leaf, _, _ = _run(stage, False)
-    bucketed, _, _ = _run(stage, True)
+    (per_leaf, _), _, _ = _run(stage, False)
+    (bucketed, _), _, _ = _run(stage, True)
     leaves = 4  # stacked leaves per layer
     # Per layer: one reduce-scatter of the layer's gradients (stage 3 adds one all-gather
     # in forward and one in backward) instead of one per leaf; + the head's own.
@@ -159,3 +179,28 @@ def test_bucketed_step_equals_per_leaf_and_single_device_optax(stage):
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("stage", "hpz"), [(2, None), (3, None), (3, 4)])
+def test_a_layer_the_user_rematerialises_holds_what_it_does_per_leaf_when_bucketed(stage, hpz):
+    """Bucketed, a scan step gathered its layer before the user's checkpoint, which then
+    took the whole layer as inputs that the step's own checkpoint saved, with every
+    activation inside (examples/llama.py's tiny model at stage 3: 65.2 MB against 14.2 MB
+    per leaf). The layer now gathers inside its checkpoint, still in one collective; with
+    hpZ, one across the groups (kept for backward) and one within them, each way."""
+    (_, per_leaf_temp), want_losses, want_params = _run(stage, False, remat=True, hpz=hpz)
+    (bucketed, temp), losses, params = _run(stage, True, remat=True, hpz=hpz)
+    assert _count(bucketed, "reduce-scatter") == L + 1
+    gathers = [
+        c for c in collectives(bucketed) for _ in range(c.trip_count) if c.kind == "all-gather"
+    ]
+    if hpz is not None:  # + the head's
+        assert sum(c.group_size == N // hpz for c in gathers) == L + 1  # forward only
+        assert sum(c.group_size == hpz for c in gathers) == 2 * L + 2
+    elif stage == 3:
+        assert len(gathers) == 2 * L + 2
+    layer_bytes = 4 * sum(x[0].size for x in jax.tree.leaves(_params()["layers"]))
+    assert temp <= per_leaf_temp + layer_bytes  # at most the flat copy of one layer
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
