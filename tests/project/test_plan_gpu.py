@@ -50,6 +50,22 @@ def test_each_plan_fits_and_its_next_larger_micro_batch_does_not():
             assert {k: larger[k] for k in same} == {k: chosen[k] for k in same}, name
 
 
+def test_buckets_and_prefetch_hold_about_what_the_same_step_without_them_holds():
+    """Buckets and prefetch move the same values in fewer or earlier collectives: a
+    candidate with them compiles to within 15 % of its twin without them (prefetch
+    holds a second layer; seen: up to 8 %). Bucketed stage 3 over Llama's
+    rematerialised layers once saved every activation: 871 GB against 53 GB."""
+    for plan in ("llama8b_h100x8", "llama70b_h200x64"):
+        rows = {r["name"]: r for r in _plans()[plan]["search"]["rows"]}
+        twins = 0
+        for name, row in rows.items():
+            plain = rows.get(name.replace(" bucket", "").replace(" prefetch", ""))
+            if name != plain["name"] and row["device_bytes"] and plain["device_bytes"]:
+                assert row["device_bytes"] <= 1.15 * plain["device_bytes"], (plan, name)
+                twins += 1
+        assert twins >= 5, plan
+
+
 def test_the_70b_plans_figures_time_and_host_memory():
     plans = _plans()
     plan, user = plans["llama70b_h200x64"], plans["llama70b_h200x64_user"]
