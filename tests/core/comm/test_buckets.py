@@ -204,3 +204,9 @@ def test_a_layer_the_user_rematerialises_holds_what_it_does_per_leaf_when_bucket
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+    # Three steps, each bounded: Adam's eps (1e-4) caps how far a rounding in one
+    # gradient moves an update, as in the test above.
+    ref = reference(optax.adam(1e-3, eps=1e-4), _params(), _remat_loss, _batches(rows=8 * B))
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
