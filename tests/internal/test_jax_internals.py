@@ -49,6 +49,8 @@ ATTRIBUTES = [
     ("jax.core", "ShapedArray"),
     ("jax._src.distributed", "global_state"),  # jzero.internal.coordination
     ("jax._src.config", "_check_vma"),  # jzero.internal.vmap_axes
+    *(("jax._src.compiler", n) for n in ("get_compile_options", "backend_compile_and_load")),
+    ("jax._src.interpreters.mlir", "make_ir_context"),  # jzero.internal.cross_compile
 ]
 
 # The coordination client's key-value calls jzero.internal.coordination makes (the client

@@ -38,6 +38,12 @@ the device are the same memory and silicon, so the tests check placement by memo
 (and, for the moves XLA:CPU lowers to nothing, the step lowered for ``cuda``) and
 numerics (bitwise those without offload), not speed.
 
+Compiled for a GPU: XLA:GPU refused two shapes of this program (seen on an H200), so
+gradients go down row-major (:mod:`jzero.core.host_memory`) and a bucket's results leave
+its host computation through an ``optimization_barrier``;
+``tests/core/offload/test_host_step_gpu_compile.py`` compiles the step for a compile-only
+GPU.
+
 When each mode is faster: the host step moves about 2 + 2 bytes per parameter per step
 over PCIe (16-bit gradients down, 16-bit parameters up) but updates at the host's memory
 bandwidth; the streamed mode (``"stream"``) moves the whole state both ways (2·K bytes
@@ -60,6 +66,7 @@ from ...internal.host_compute import on_host
 from ...internal.interpret import REBINDS, Interpreter, bind, rebind
 from ...internal.interpret import value as read
 from ...internal.moved import InternalMoved
+from .. import host_memory
 from ..grad_average import averaged
 from ..grad_reduction import Gradients
 from ..options.offload import HOST
@@ -89,7 +96,7 @@ def host_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
             continue
         free = _free(split, b, plan)
         ins = (
-            [_to_host(reduced[i]) for i in b.params],  # a copy for one on the device
+            [host_memory.to_host(reduced[i]) for i in b.params],  # row-major, see there
             [_to_host(o[j]) for j in b.opt],  # a copy only for one on the device
             _down([w[i] for i in b.params]),
             _down([env[v] for v in free]),
@@ -173,8 +180,8 @@ def _global_part(
 
 
 def _down(xs: Any) -> Any:
-    """``xs`` (arrays, or None) in host memory (a copy for those on the device)."""
-    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), xs)
+    """``xs`` (arrays, or None) in host memory (a row-major copy for those on the device)."""
+    return jax.tree.map(host_memory.to_host, xs)
 
 
 def _at_rest(plan: Plan, x: jax.Array, stored: Stored) -> jax.Array:
@@ -246,6 +253,9 @@ def _bucket_program(
         for i, x in zip(bucket.params, w):
             env[split.weight_ins[i]] = view([x], [weights[i]])[0]
         interpret.evaluate(split.jaxpr, env, _OnHost(), bucket.equations)
-        return _results(split, bucket, plan, precision, env, keep)
+        # XLA:GPU drops the memory annotations inside a host computation, and cannot when
+        # a result it returns is also read inside (Adam's count): the barrier returns
+        # fresh values (tests/core/offload/test_host_step_gpu_compile.py).
+        return jax.lax.optimization_barrier(_results(split, bucket, plan, precision, env, keep))
 
     return on_host(jax.jit(update, donate_argnums=(1,)))

@@ -1,0 +1,39 @@
+"""A value computed on the device, copied into host memory for a host computation to read.
+
+XLA:GPU (jax 0.11.2 and 0.12) fails to compile a host computation
+(``compute_on("device_host")``) whose input was copied down in a layout other than
+row-major: layout assignment gives the host computation's parameter that layout and leaves
+its caller's operand row-major, and the verifier stops the compile ("expects the async
+shape at index {0} to be a tuple with shapes that match..."). A gradient made by a matmul
+(``x.T @ g``) comes out column-major, so the host optimizer step of any model with a dense
+layer failed to compile on one GPU (an H200, 2026-12-01). :func:`to_host` fixes the
+layout before the copy: at most a transpose on the device, the same values. The host step
+(:mod:`jzero.core.offload.host_step`) copies its gradients down with it;
+``tests/core/offload/test_host_step_gpu_compile.py`` compiles such steps for a
+compile-only GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def to_host(x: jax.Array) -> jax.Array:
+    """``x`` copied into host memory, row-major (a value already there, unchanged)."""
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+        return x
+    return jax.device_put(row_major(x), jax.memory.Space.Host)
+
+
+def row_major(x: jax.Array) -> jax.Array:
+    """``x`` in the row-major layout (XLA's default), or ``x`` as it is where this JAX has
+    no ``jax.experimental.layout.with_layout_constraint`` (a compile may then fail as
+    described above, with XLA's message)."""
+    try:
+        from jax.experimental.layout import Layout, with_layout_constraint
+    except ImportError:
+        return x
+    if np.ndim(x) < 2:
+        return x  # one layout only
+    return with_layout_constraint(x, Layout(tuple(range(np.ndim(x)))))
