@@ -679,7 +679,7 @@ def gpu_summary_md(gpu: dict[str, Any] | None, extra_unrun: tuple[str, ...] = ()
     if gpu is None or gpu.get("dry_run"):
         return "No GPU has run `scripts/gpu_check.sh` yet: every figure here is from CPU."
     m = gpu["machine"]
-    dates = [v["ran_at"] for v in gpu["pieces"].values() if v.get("ran_at")]
+    dates = [v["ran_at"] for k, v in gpu["pieces"].items() if v.get("ran_at") and k not in RETIRED]
     n1 = gpu["pieces"].get("n1", {}).get("targets", [])
     ratios = [t["measured"] for t in n1 if t.get("status") != "SKIP"]
     text = [
@@ -698,10 +698,28 @@ def gpu_summary_md(gpu: dict[str, Any] | None, extra_unrun: tuple[str, ...] = ()
                 f"Offload `{name}`: {peak:.2f} x no offload's device peak, {time:.1f} x its "
                 "step time."
             )
+    text += _agreement_sentence(gpu["pieces"].get("agreement"))
     missing = [*_unmeasured(gpu), *extra_unrun]
     if missing:
         text.append(f"No figures yet: {', '.join(f'`{x}`' for x in missing)}.")
     return " ".join(text)
+
+
+def _agreement_sentence(piece: dict[str, Any] | None) -> list[str]:
+    """The agreement piece in one sentence: how far the compile for compile-only GPUs was
+    from the GPU's own, per figure at the worst stage (and with autotuning off, if run)."""
+    stages = [v for v in (piece or {}).get("stages", {}).values() if "rel_diff" in v]
+    if not stages:
+        return []
+    worst = lambda key, f: max(v[key][f] for v in stages if key in v)
+    said = ", ".join(f"{f} {worst('rel_diff', f):.2%}" for f in ("argument", "output", "temp"))
+    text = (
+        f"The compile for a compile-only {piece['device_kind'].removeprefix('NVIDIA ')} "
+        f"against the GPU's own at stages 0-3 (target 1 %): {said}"
+    )
+    if all("rel_diff_untuned" in v for v in stages):
+        text += f"; against it with autotuning off, temp {worst('rel_diff_untuned', 'temp'):.2%}"
+    return [text + "."]
 
 
 def readme_block(gpu: dict[str, Any] | None) -> str:

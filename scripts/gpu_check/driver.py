@@ -15,11 +15,11 @@ offload:host_step``; ``--only offload:host_step_params``; ``--only prefetch``; `
 quant``; ``--only agreement``.
 
 ``--quick`` is the check for one lease of 15 minutes (one command of at most 10): each
-unit with its own time limit (:data:`QUICK`): ``n1`` 170 s (it took about 150 s on the
-H200), ``agreement`` 90 s (estimated: eight compiles, no GPU has run it yet),
+unit with its own time limit (:data:`QUICK`): ``n1`` 120 s (it took 77 s on the H200),
+``agreement`` 180 s (eight compiles; a compile-only one took 15 s on 2 CPU cores),
 ``offload_fixed:none`` 70 s, ``offload_fixed:host_step`` 85 s and
 ``offload_fixed:streamed`` 80 s (the 1.21 B GPT of d_model 2048 x 24 layers, no search):
-495 s of parts, about 515 s with the machine probe. Then ``--only`` any longer piece in
+535 s of parts, about 555 s with the machine probe. Then ``--only`` any longer piece in
 the time left. ``--offload-speed`` is the same for P20's offload figures in a lease of its
 own: ``offload_32k``'s five parts and ``host_rate`` (540 s of parts, estimated).
 

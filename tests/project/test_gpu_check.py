@@ -120,16 +120,17 @@ def test_dry_run_agreement_compiles_for_compile_only_h200s_beside_the_cpu(dry_ru
     assert agreement["devices"] == 1 and agreement["compile_only_gpu"] == "h200"
     assert list(agreement["stages"]) == ["zero0", "zero3"]  # on a GPU, stages 0-3
     assert [t["name"] for t in agreement["targets"]] == [
-        f"agreement zero{s} memory" for s in (0, 3)
+        f"agreement zero{s} memory{off}" for s in (0, 3) for off in ("", ", autotuning off")
     ]
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:  # no GPU compiler here
         assert all("could not describe" in t["reason"] for t in agreement["targets"])
         return
     assert agreement["compile_only_kind"].startswith("NVIDIA H200")
     for stage in agreement["stages"].values():
-        for side in ("device", "deviceless"):
+        for side in ("device", "device_untuned", "deviceless"):
             assert stage[side]["temp"] > 0 and stage[side]["argument"] > 0, stage
         assert stage["rel_diff"].keys() == {"temp", "argument", "output"}
+        assert stage["rel_diff_untuned"].keys() == {"temp", "argument", "output"}
     assert all(t["reason"].startswith("skipped: dry run: CPU memory is not GPU memory")
                for t in agreement["targets"])  # fmt: skip
 
@@ -299,9 +300,12 @@ def test_agreement_names_the_spec_of_each_lent_gpu():
     assert gpu_agreement.spec_name("NVIDIA H100 PCIe") is None  # another GPU than the spec's
 
 
-def _agreement(monkeypatch, *, deviceless: dict | None, why: str | None = None) -> dict:
+def _agreement(
+    monkeypatch, *, deviceless: dict | None, why: str | None = None, tuned: dict | None = None
+) -> dict:
     """``gpu_agreement.run`` on a GPU, its compiles replaced: the real one's figures are
-    100 000 bytes each, the compile-only GPUs' ``deviceless`` (or no such GPUs: ``why``)."""
+    100 000 bytes each without autotuning (``tuned`` changes them with it), the compile-only
+    GPUs' ``deviceless`` (or no such GPUs: ``why``)."""
     import types
 
     from gpu_check import agreement as gpu_agreement
@@ -313,9 +317,9 @@ def _agreement(monkeypatch, *, deviceless: dict | None, why: str | None = None) 
     monkeypatch.setattr(gpu_agreement, "compile_only_devices",
                         lambda name, n: (None, why) if why else (fake, None))  # fmt: skip
 
-    def memory(devices, s, stage):
+    def memory(devices, s, stage, options=None):
         if devices is not fake:
-            return real
+            return real if options == gpu_agreement.UNTUNED else real | (tuned or {})
         if deviceless is None:
             raise RuntimeError("Couldn't find ptxas\nmore")
         return real | deviceless
@@ -326,7 +330,7 @@ def _agreement(monkeypatch, *, deviceless: dict | None, why: str | None = None) 
 
 def test_agreement_holds_each_memory_figure_within_one_percent(monkeypatch):
     found = _agreement(monkeypatch, deviceless={"temp": 100_900, "output": 99_500})
-    assert [t["status"] for t in found["targets"]] == ["PASS"] * 4
+    assert [t["status"] for t in found["targets"]] == ["PASS"] * 8  # with autotuning, without
     assert found["targets"][0]["measured"] == pytest.approx(0.009)
     assert found["stages"]["zero3"]["rel_diff"] == pytest.approx(
         {"temp": 0.009, "argument": 0.0, "output": 0.005}
@@ -335,6 +339,21 @@ def test_agreement_holds_each_memory_figure_within_one_percent(monkeypatch):
     t = found["targets"][2]
     assert (t["status"], t["measured"], t["bound"]) == ("FAIL", pytest.approx(0.02), 0.01)
     assert "compile agreement within 1%" in t["text"]
+
+
+def test_agreement_reads_the_real_compile_with_and_without_autotuning(monkeypatch):
+    # As on the H200: autotuned gemms add a cuBLAS workspace the compile-only GPUs cannot.
+    found = _agreement(monkeypatch, deviceless={}, tuned={"temp": 108_000})
+    assert [t["name"] for t in found["targets"][:2]] == [
+        "agreement zero0 memory",
+        "agreement zero0 memory, autotuning off",
+    ]
+    assert [t["status"] for t in found["targets"]] == ["FAIL", "PASS"] * 4
+    assert found["targets"][0]["measured"] == pytest.approx(8_000 / 108_000)
+    assert found["targets"][1]["measured"] == 0.0
+    assert "(autotuning off)" in found["targets"][1]["text"]
+    assert found["stages"]["zero2"]["device"]["temp"] == 108_000
+    assert found["stages"]["zero2"]["device_untuned"]["temp"] == 100_000
 
 
 def test_agreement_skips_with_the_reason_when_no_compile_only_gpu_is_there(monkeypatch):
