@@ -719,6 +719,8 @@ def _agreement_sentence(piece: dict[str, Any] | None) -> list[str]:
     )
     if all("rel_diff_untuned" in v for v in stages):
         text += f"; against it with autotuning off, temp {worst('rel_diff_untuned', 'temp'):.2%}"
+    if all("rel_diff_tuned" in v for v in stages):
+        text += f"; with the GPU's autotuning loaded, temp {worst('rel_diff_tuned', 'temp'):.2%}"
     return [text + "."]
 
 

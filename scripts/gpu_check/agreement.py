@@ -18,9 +18,18 @@ H200 (2026-12-01) the two agreed to the byte in arguments and outputs, and the r
 was 7.96 % above (340.9 against 313.8 MB at every stage): cuBLAS workspaces
 (``s8[33554432]``, 32 MiB) that the autotuned gemms take. Compiled on the GPU with
 autotuning off (``xla_gpu_autotune_level=0``), the temp was the deviceless compile's to
-the byte. So the real GPU compiles a third time, autotuning off (``device_untuned``), with
-its own target: the compile-only devices predict the program to the byte, and the 1 %
-target states what autotuning adds at this size (a fixed 32 MiB, not a share).
+the byte (``benchmarks/h200_compile_probes.md``). So each stage is compiled four ways:
+
+- on the GPU (``device``), its autotuning results written to a file;
+- on the GPU with autotuning off (``device_untuned``);
+- for the compile-only GPUs (``deviceless``);
+- for them with the GPU's autotuning results loaded (``deviceless_tuned``; XLA's
+  ``xla_gpu_load_autotune_results_from``, which the deviceless compile honours), and the
+  results kept in the JSON (``autotune_results``): with them, a compile without a GPU can
+  make the GPU's kernel choices.
+
+Three targets per stage, each 1 %: deviceless against the GPU's compile, against it with
+autotuning off, and deviceless with the GPU's autotuning against the GPU's compile.
 
 The compile-only devices are described here directly (``get_topology_desc(name, "cuda",
 target_config=SPEC, topology="1x1xN")``), not through ``jzero.gpu_mesh``: that refuses
@@ -37,8 +46,11 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import gpt  # examples/gpt.py
@@ -58,6 +70,13 @@ AGREEMENT = 0.01
 STAGES = {"gpu": (0, 1, 2, 3), "dry": (0, 3)}  # the dry run: the code path, in CI's time
 FIGURES = ("temp", "argument", "output")  # memory_analysis()'s *_size_in_bytes compared
 UNTUNED = {"xla_gpu_autotune_level": 0}  # the real compile without autotuning
+DUMP_TUNING = "xla_gpu_dump_autotune_results_to"  # the real compile's kernel choices, saved
+LOAD_TUNING = "xla_gpu_load_autotune_results_from"  # and given to the compile-only GPUs
+COMPARED = {  # targets: the real compile -> the compile-only GPUs' it is held to
+    "rel_diff": ("device", "deviceless"),
+    "rel_diff_untuned": ("device_untuned", "deviceless"),
+    "rel_diff_tuned": ("device", "deviceless_tuned"),
+}
 SIZES = {  # "gpu": scripts/gpu_compile.py's model (tests/project/test_gpu_check.py checks)
     "gpu": {"d_model": 512, "heads": 8, "seq_len": 128, "vocab": 256, "layers": 4,
             "sequences": 64},
@@ -127,6 +146,29 @@ def memory(
     return found | {"compile_s": round(time.perf_counter() - start, 2)}
 
 
+def _stage(devices: list[Any], targetless: list[Any] | None, s: dict, stage: int) -> dict:
+    """One stage's compiles: on the real devices (autotuning, its results written to a
+    file) and without autotuning; for the compile-only ``targetless`` (None: not tried), as
+    they are and with the real compile's autotuning results loaded (where it wrote any)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tuning = os.path.join(tmp, "autotune_results.textproto")
+        entry = {"device": memory(devices, s, stage, {DUMP_TUNING: tuning}),
+                 "device_untuned": memory(devices, s, stage, UNTUNED)}  # fmt: skip
+        if targetless is None:
+            return entry
+        try:
+            entry["deviceless"] = memory(targetless, s, stage)
+        except Exception as e:  # e.g. no ptxas for a compile without a device
+            return entry | {"deviceless_error": first_line(e)}
+        if os.path.exists(tuning):  # a GPU's compile: its kernels' choices
+            entry["autotune_results"] = Path(tuning).read_text()
+            try:
+                entry["deviceless_tuned"] = memory(targetless, s, stage, {LOAD_TUNING: tuning})
+            except Exception as e:  # e.g. results keyed to another device description
+                entry["deviceless_tuned_error"] = first_line(e)
+    return entry
+
+
 def rel_diff(device: int, deviceless: int) -> float:
     """``|deviceless - device| / device`` (0 when both are 0)."""
     return abs(deviceless - device) / device if device else float(deviceless != 0)
@@ -152,24 +194,16 @@ def run(ctx: Context) -> dict[str, Any]:
                    f"here ({why})")  # fmt: skip
     stages, targets, start, failed = {}, [], time.perf_counter(), None
     for stage in STAGES[key]:
-        _progress(f"stage {stage}: compiling on {len(devices)} x {kind}", start)
-        entry = {"device": memory(devices, s, stage),
-                 "device_untuned": memory(devices, s, stage, UNTUNED)}  # fmt: skip
+        _progress(f"stage {stage}: compiling on {len(devices)} x {kind} and {name}", start)
+        entry = _stage(devices, targetless if failed is None else None, s, stage)
         if failed is not None:  # an earlier stage's compile failed: not tried again
             entry["deviceless_error"] = failed
-        elif targetless is not None:
-            _progress(f"stage {stage}: compiling on {len(targetless)} compile-only {name}", start)
-            try:
-                entry["deviceless"] = memory(targetless, s, stage)
-            except Exception as e:  # e.g. no ptxas for a compile without a device
-                entry["deviceless_error"] = failed = first_line(e)
-        if "deviceless" in entry:
-            for real, key in (("device", "rel_diff"), ("device_untuned", "rel_diff_untuned")):
-                entry[key] = {f: rel_diff(entry[real][f], entry["deviceless"][f]) for f in FIGURES}
+        failed = entry.get("deviceless_error")
+        for diff, (real, less) in COMPARED.items():
+            if real in entry and less in entry:
+                entry[diff] = {f: rel_diff(entry[real][f], entry[less][f]) for f in FIGURES}
         stages[f"zero{stage}"] = entry
-        targets += [
-            _target(ctx, stage, entry, why, key) for key in ("rel_diff", "rel_diff_untuned")
-        ]
+        targets += [_target(ctx, stage, entry, why, diff) for diff in COMPARED]
     _progress("compiled", start)
     return {
         "sizes": s, "devices": len(devices), "device_kind": kind, "compile_only_gpu": name,
@@ -178,15 +212,21 @@ def run(ctx: Context) -> dict[str, Any]:
     }  # fmt: skip
 
 
+WHAT = {  # per target: its name's tail, and what the compile-only GPUs are held to
+    "rel_diff": ("", "the real compile's"),
+    "rel_diff_untuned": (", autotuning off", "the real compile's (autotuning off)"),
+    "rel_diff_tuned": (", autotuning loaded", "the real compile's, its autotuning loaded"),
+}
+
+
 def _target(
     ctx: Context, stage: int, entry: dict[str, Any], why: str | None, key: str
 ) -> dict[str, Any]:
-    """Stage ``stage``'s target against the real compile (``key`` ``rel_diff``) or the real
-    compile without autotuning (``rel_diff_untuned``): the worst of its figures' relative
-    differences <= 1 % (skipped, with the reason, when there was nothing to compare or
-    under ``--dry-run``)."""
-    untuned = key == "rel_diff_untuned"
-    name = f"agreement zero{stage} memory" + (", autotuning off" if untuned else "")
+    """Stage ``stage``'s target ``key`` (:data:`COMPARED`): the worst of its figures'
+    relative differences <= 1 % (skipped, with the reason, when there was nothing to
+    compare or under ``--dry-run``)."""
+    tail, held = WHAT[key]
+    name = f"agreement zero{stage} memory{tail}"
     if why is not None:  # no compile-only GPUs here, dry run or not
         return skip(name, why)
     if "deviceless" not in entry:
@@ -194,10 +234,13 @@ def _target(
                           f"({entry['deviceless_error']})")  # fmt: skip
     if ctx.dry_run:
         return skip(name, DRY_SKIP)
+    if key not in entry:  # the real compile wrote no autotuning results, or they failed
+        failed = entry.get("deviceless_tuned_error")
+        why = f"its compile failed ({failed})" if failed else "the real compile wrote none"
+        return skip(name, f"skipped: no autotuning results loaded: {why}")
     worst = max(FIGURES, key=lambda f: entry[key][f])
     measured = float(entry[key][worst])
     diffs = ", ".join(f"{f} {entry[key][f]:.2%}" for f in FIGURES)
-    real = "real compile's (autotuning off)" if untuned else "real compile's"
-    text = (f"zero{stage}: compile agreement within 1%: deviceless vs {real} "
+    text = (f"zero{stage}: compile agreement within 1%: deviceless vs {held} "
             f"memory ({diffs}), worst {measured:.2%} <= {AGREEMENT:.0%}")  # fmt: skip
     return target(name, measured <= AGREEMENT, text, measured=measured, bound=AGREEMENT)

@@ -44,13 +44,13 @@ PIECES = {
 }  # fmt: skip
 
 QUICK = {  # --quick: every claim once, within one 10-minute command; seconds per unit
-    ("n1", None): 120,  # 77 s on the H200 (2026-11-28)
-    ("agreement", None): 180,  # eight compiles; a compile-only one takes 15 s on 2 CPU cores
-    ("offload_fixed", "none"): 70,
-    ("offload_fixed", "host_step"): 85,
-    ("offload_fixed", "streamed"): 80,
+    ("n1", None): 100,  # 70 s on the H200 (2026-12-01)
+    ("agreement", None): 240,  # 16 compiles; 8 of them took 83 s on the H200
+    ("offload_fixed", "none"): 45,  # 17 s
+    ("offload_fixed", "host_step"): 85,  # 69 s
+    ("offload_fixed", "streamed"): 60,  # 37 s
 }  # fmt: skip
-"""535 s of parts, about 555 s with the machine probe and process starts: under 10 minutes."""
+"""530 s of parts, about 550 s with the machine probe and process starts: under 10 minutes."""
 
 OFFLOAD_SPEED = {  # --offload-speed: P20's section 5 in one 10-minute command (estimates:
     ("offload_32k", "none"): 90,  # a 4 K-token part took 70-85 s on the H200, and a

@@ -15,11 +15,11 @@ offload:host_step``; ``--only offload:host_step_params``; ``--only prefetch``; `
 quant``; ``--only agreement``.
 
 ``--quick`` is the check for one lease of 15 minutes (one command of at most 10): each
-unit with its own time limit (:data:`QUICK`): ``n1`` 120 s (it took 77 s on the H200),
-``agreement`` 180 s (eight compiles; a compile-only one took 15 s on 2 CPU cores),
-``offload_fixed:none`` 70 s, ``offload_fixed:host_step`` 85 s and
-``offload_fixed:streamed`` 80 s (the 1.21 B GPT of d_model 2048 x 24 layers, no search):
-535 s of parts, about 555 s with the machine probe. Then ``--only`` any longer piece in
+unit with its own time limit (:data:`QUICK`; the H200 took 70, 83, 17, 69 and 37 s on
+2026-12-01, agreement then with half its compiles): ``n1`` 100 s, ``agreement`` 240 s,
+``offload_fixed:none`` 45 s, ``offload_fixed:host_step`` 85 s and
+``offload_fixed:streamed`` 60 s (the 1.21 B GPT of d_model 2048 x 24 layers, no search):
+530 s of parts, about 550 s with the machine probe. Then ``--only`` any longer piece in
 the time left. ``--offload-speed`` is the same for P20's offload figures in a lease of its
 own: ``offload_32k``'s five parts and ``host_rate`` (540 s of parts, estimated).
 
@@ -40,8 +40,10 @@ Pieces (``--only``; a piece with parts runs each part in its own process, and
   stages 0-3 compiled on the GPU present (N = 1) and on N compile-only GPUs of its kind
   (``jzero.gpu_mesh``'s spec, described through ``jax.experimental.topologies``): each
   stage's ``memory_analysis()`` (temporaries, arguments, outputs) within 1 % of the real
-  compile's (``scripts/gpu_check/agreement.py``). Compiles only; skipped with the reason when
-  the compile-only GPUs cannot be described there.
+  compile's, of the real compile's with autotuning off, and with the GPU's autotuning
+  results loaded into the compile-only one (``scripts/gpu_check/agreement.py``).
+  Compiles only; skipped with the reason when the compile-only GPUs cannot be described
+  there.
 - ``offload_fixed`` (parts ``none``, ``host_step``, ``streamed``, ``host_delayed``,
   ``ratio_half``): the modes trained at one fixed size, each in its own process: the
   allocator's peak, the compiled device peak (and the replay's) and the step time.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -119,8 +120,9 @@ def test_dry_run_agreement_compiles_for_compile_only_h200s_beside_the_cpu(dry_ru
     agreement = doc["pieces"]["agreement"]
     assert agreement["devices"] == 1 and agreement["compile_only_gpu"] == "h200"
     assert list(agreement["stages"]) == ["zero0", "zero3"]  # on a GPU, stages 0-3
+    tails = ("", ", autotuning off", ", autotuning loaded")
     assert [t["name"] for t in agreement["targets"]] == [
-        f"agreement zero{s} memory{off}" for s in (0, 3) for off in ("", ", autotuning off")
+        f"agreement zero{s} memory{tail}" for s in (0, 3) for tail in tails
     ]
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:  # no GPU compiler here
         assert all("could not describe" in t["reason"] for t in agreement["targets"])
@@ -301,11 +303,18 @@ def test_agreement_names_the_spec_of_each_lent_gpu():
 
 
 def _agreement(
-    monkeypatch, *, deviceless: dict | None, why: str | None = None, tuned: dict | None = None
+    monkeypatch,
+    *,
+    deviceless: dict | None,
+    why: str | None = None,
+    tuned: dict | None = None,
+    results: str | None = "autotune results",
+    load_fails: bool = False,
 ) -> dict:
     """``gpu_agreement.run`` on a GPU, its compiles replaced: the real one's figures are
-    100 000 bytes each without autotuning (``tuned`` changes them with it), the compile-only
-    GPUs' ``deviceless`` (or no such GPUs: ``why``)."""
+    100 000 bytes each without autotuning (``tuned`` changes them with it, and it writes
+    its autotuning ``results``, None: none), the compile-only GPUs' ``deviceless`` (or no
+    such GPUs: ``why``), and with the GPU's results loaded the real tuned figures."""
     import types
 
     from gpu_check import agreement as gpu_agreement
@@ -318,42 +327,74 @@ def _agreement(
                         lambda name, n: (None, why) if why else (fake, None))  # fmt: skip
 
     def memory(devices, s, stage, options=None):
+        options = options or {}
         if devices is not fake:
+            if gpu_agreement.DUMP_TUNING in options and results is not None:
+                pathlib.Path(options[gpu_agreement.DUMP_TUNING]).write_text(results)
             return real if options == gpu_agreement.UNTUNED else real | (tuned or {})
         if deviceless is None:
             raise RuntimeError("Couldn't find ptxas\nmore")
+        if gpu_agreement.LOAD_TUNING in options:
+            if load_fails:
+                raise RuntimeError("NOT_FOUND: autotuning result not found\nmore")
+            assert pathlib.Path(options[gpu_agreement.LOAD_TUNING]).read_text() == results
+            return real | (tuned or {})
         return real | deviceless
 
     monkeypatch.setattr(gpu_agreement, "memory", memory)
     return gpu_agreement.run(Context(dry_run=False, gpu=True))
 
 
+def _named(found: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in found["targets"]}
+
+
 def test_agreement_holds_each_memory_figure_within_one_percent(monkeypatch):
     found = _agreement(monkeypatch, deviceless={"temp": 100_900, "output": 99_500})
-    assert [t["status"] for t in found["targets"]] == ["PASS"] * 8  # with autotuning, without
+    assert [t["status"] for t in found["targets"]] == ["PASS"] * 12  # 3 per stage
     assert found["targets"][0]["measured"] == pytest.approx(0.009)
     assert found["stages"]["zero3"]["rel_diff"] == pytest.approx(
         {"temp": 0.009, "argument": 0.0, "output": 0.005}
     )
     found = _agreement(monkeypatch, deviceless={"argument": 102_000})
-    t = found["targets"][2]
+    t = _named(found)["agreement zero1 memory"]
     assert (t["status"], t["measured"], t["bound"]) == ("FAIL", pytest.approx(0.02), 0.01)
     assert "compile agreement within 1%" in t["text"]
 
 
 def test_agreement_reads_the_real_compile_with_and_without_autotuning(monkeypatch):
-    # As on the H200: autotuned gemms add a cuBLAS workspace the compile-only GPUs cannot.
+    # As on the H200: autotuned gemms add a cuBLAS workspace the compile-only GPUs cannot
+    # know, unless the GPU's autotuning results are loaded into their compile.
     found = _agreement(monkeypatch, deviceless={}, tuned={"temp": 108_000})
-    assert [t["name"] for t in found["targets"][:2]] == [
+    assert [t["name"] for t in found["targets"][:3]] == [
         "agreement zero0 memory",
         "agreement zero0 memory, autotuning off",
+        "agreement zero0 memory, autotuning loaded",
     ]
-    assert [t["status"] for t in found["targets"]] == ["FAIL", "PASS"] * 4
+    assert [t["status"] for t in found["targets"]] == ["FAIL", "PASS", "PASS"] * 4
     assert found["targets"][0]["measured"] == pytest.approx(8_000 / 108_000)
-    assert found["targets"][1]["measured"] == 0.0
+    assert found["targets"][1]["measured"] == found["targets"][2]["measured"] == 0.0
     assert "(autotuning off)" in found["targets"][1]["text"]
-    assert found["stages"]["zero2"]["device"]["temp"] == 108_000
-    assert found["stages"]["zero2"]["device_untuned"]["temp"] == 100_000
+    zero2 = found["stages"]["zero2"]
+    assert zero2["device"]["temp"] == zero2["deviceless_tuned"]["temp"] == 108_000
+    assert zero2["device_untuned"]["temp"] == zero2["deviceless"]["temp"] == 100_000
+    assert zero2["autotune_results"] == "autotune results"  # kept for compiles without GPUs
+
+
+def test_agreement_skips_the_loaded_target_when_the_gpu_wrote_no_results(monkeypatch):
+    found = _agreement(monkeypatch, deviceless={}, results=None)
+    t = _named(found)["agreement zero3 memory, autotuning loaded"]
+    assert (t["status"], t["reason"]) == (
+        "SKIP",
+        "skipped: no autotuning results loaded: the real compile wrote none",
+    )
+    assert "deviceless_tuned" not in found["stages"]["zero3"]
+    found = _agreement(monkeypatch, deviceless={}, load_fails=True)  # the others still run
+    assert [t["status"] for t in found["targets"]] == ["PASS", "PASS", "SKIP"] * 4
+    assert _named(found)["agreement zero3 memory, autotuning loaded"]["reason"] == (
+        "skipped: no autotuning results loaded: its compile failed "
+        "(RuntimeError: NOT_FOUND: autotuning result not found)"
+    )
 
 
 def test_agreement_skips_with_the_reason_when_no_compile_only_gpu_is_there(monkeypatch):
