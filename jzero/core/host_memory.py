@@ -7,7 +7,8 @@ its caller's operand row-major, and the verifier stops the compile ("expects the
 shape at index {0} to be a tuple with shapes that match..."). A gradient made by a matmul
 (``x.T @ g``) comes out column-major, so the host optimizer step of any model with a dense
 layer failed to compile on one GPU (an H200, 2026-12-01). :func:`to_host` fixes the
-layout before the copy: at most a transpose on the device, the same values. The host step
+layout before the copy, in programs lowered for GPUs (``jax.lax.platform_dependent``):
+at most a transpose on the device, the same values. The host step
 (:mod:`jzero.core.offload.host_step`) copies its gradients down with it;
 ``tests/core/offload/test_host_step_gpu_compile.py`` compiles such steps for a
 compile-only GPU.
@@ -36,4 +37,7 @@ def row_major(x: jax.Array) -> jax.Array:
         return x
     if np.ndim(x) < 2:
         return x  # one layout only
-    return with_layout_constraint(x, Layout(tuple(range(np.ndim(x)))))
+    constrained = lambda x: with_layout_constraint(x, Layout(tuple(range(np.ndim(x)))))
+    # On a GPU only: XLA:CPU has no host computations to feed, and the constraint would
+    # cost it a copy of the gradient.
+    return jax.lax.platform_dependent(x, cuda=constrained, rocm=constrained, default=lambda x: x)

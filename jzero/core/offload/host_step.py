@@ -39,8 +39,8 @@ the device are the same memory and silicon, so the tests check placement by memo
 numerics (bitwise those without offload), not speed.
 
 Compiled for a GPU: XLA:GPU refused two shapes of this program (seen on an H200), so
-gradients go down row-major (:mod:`jzero.core.host_memory`) and a bucket's results leave
-its host computation through an ``optimization_barrier``;
+gradients go down row-major (:mod:`jzero.core.host_memory`) and a bucket's result that
+was moved to host memory inside it leaves through an ``optimization_barrier``;
 ``tests/core/offload/test_host_step_gpu_compile.py`` compiles the step for a compile-only
 GPU.
 
@@ -212,7 +212,11 @@ def _free(split: Split, bucket: Bucket, plan: Plan) -> list[Any]:
 class _OnHost(Interpreter):
     """A bucket's equations in a host computation: every value they make rests in host
     memory (a constant or an iota with no host input is made in device memory by JAX, and
-    would not meet the host values it is combined with)."""
+    would not meet the host values it is combined with). ``moved`` holds the ids of the
+    values it moved there (Adam's count, made from the constant 1)."""
+
+    def __init__(self) -> None:
+        self.moved: set[int] = set()
 
     def apply(self, eqn: Equation, values: list[Any]) -> list[Any]:
         outs = None
@@ -222,7 +226,18 @@ class _OnHost(Interpreter):
             except InternalMoved:  # bound whole as traced: its results moved after it
                 outs = None
         outs = bind(eqn, values) if outs is None else outs
-        return [_to_host(x) for x in outs]
+        placed = [_to_host(x) for x in outs]
+        self.moved.update(id(y) for x, y in zip(outs, placed) if y is not x)
+        return placed
+
+    def returned(self, results: Any) -> Any:
+        """``results`` as the host computation returns them. XLA:GPU drops the memory
+        moves inside a host computation and cannot when one is returned and also read
+        inside (Adam's count): such a value leaves through an ``optimization_barrier``, a
+        fresh value (tests/core/offload/test_host_step_gpu_compile.py). Only those: a
+        barrier over the whole results would keep every one of them live at once."""
+        fresh = lambda x: jax.lax.optimization_barrier(x) if id(x) in self.moved else x
+        return jax.tree.map(fresh, results)
 
 
 def _to_host(x: Any) -> Any:
@@ -252,10 +267,8 @@ def _bucket_program(
             env[split.state_ins[j]] = view([x], [plan.opt[j]])[0]
         for i, x in zip(bucket.params, w):
             env[split.weight_ins[i]] = view([x], [weights[i]])[0]
-        interpret.evaluate(split.jaxpr, env, _OnHost(), bucket.equations)
-        # XLA:GPU drops the memory annotations inside a host computation, and cannot when
-        # a result it returns is also read inside (Adam's count): the barrier returns
-        # fresh values (tests/core/offload/test_host_step_gpu_compile.py).
-        return jax.lax.optimization_barrier(_results(split, bucket, plan, precision, env, keep))
+        on_host = _OnHost()
+        interpret.evaluate(split.jaxpr, env, on_host, bucket.equations)
+        return on_host.returned(_results(split, bucket, plan, precision, env, keep))
 
     return on_host(jax.jit(update, donate_argnums=(1,)))
