@@ -267,8 +267,8 @@ def _bucket_program(
             env[split.state_ins[j]] = view([x], [plan.opt[j]])[0]
         for i, x in zip(bucket.params, w):
             env[split.weight_ins[i]] = view([x], [weights[i]])[0]
-        on_host = _OnHost()
-        interpret.evaluate(split.jaxpr, env, on_host, bucket.equations)
-        return on_host.returned(_results(split, bucket, plan, precision, env, keep))
+        host = _OnHost()
+        interpret.evaluate(split.jaxpr, env, host, bucket.equations)
+        return host.returned(_results(split, bucket, plan, precision, env, keep))
 
     return on_host(jax.jit(update, donate_argnums=(1,)))
