@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from _models import OPTIMIZERS as PARITY_OPTIMIZERS
-from _models import awkward_batches, awkward_loss, awkward_params, reference
+from _models import PARITY_ATOLS, awkward_batches, awkward_loss, awkward_params, reference
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,7 +24,6 @@ import jzero
 from jzero.accounting import collectives
 
 RTOL, ATOL = 1e-6, 1e-6  # as tests/core/test_parity.py: fp32, gradients summed in another order
-ATOLS = {"sgd_momentum": 5e-6}  # as test_parity.py: Nesterov's ~10x weight on that rounding
 STEPS = 5
 E, A = AxisType.Explicit, AxisType.Auto
 OPTIMIZERS = {**PARITY_OPTIMIZERS, "muon": lambda: optax.contrib.muon(1e-2)}
@@ -63,7 +62,7 @@ def _reference(name):
 
 
 def _assert_optax(run, name):
-    ref, atol = _reference(name), ATOLS.get(name, ATOL)
+    ref, atol = _reference(name), PARITY_ATOLS.get(name, ATOL)
     np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=atol)
     for got, want in [(run.params, ref.params), (run.opt_state, ref.opt_state)]:
         assert jax.tree.structure(got) == jax.tree.structure(want)

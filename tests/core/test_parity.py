@@ -8,6 +8,7 @@ import optax
 import pytest
 from _models import (
     OPTIMIZERS,
+    PARITY_ATOLS,
     SHAPES,
     awkward_batches,
     awkward_loss,
@@ -24,12 +25,7 @@ import jzero
 # step sums the gradient in a different order (per-device partial sums, then a psum or
 # reduce-scatter), so elements differ by a few ulps; near-zero elements get absolute
 # error of the same size, hence atol as well as rtol.
-RTOL, ATOL = 1e-6, 1e-6
-# Nesterov momentum weighs each step's gradient by up to 1 + 0.9 + 0.81 + ... (~10): the
-# fp32 rounding of the gradients' sum, over 8 devices here and over one batch in the
-# reference, accumulates in the trace and the parameters. jax 0.11.2 measured 2.6e-6 on
-# w1 at every stage alike, stage 0 (plain data parallelism) included.
-ATOLS = {"sgd_momentum": 5e-6}
+RTOL, ATOL = 1e-6, 1e-6  # PARITY_ATOLS: the optimizers whose rounding accumulates further
 STEPS = 5
 
 
@@ -54,7 +50,7 @@ def test_matches_single_device_optax(stage, name):
     # min_shard_size=1: every non-scalar leaf is sharded, padded where needed.
     opt, state, losses = _run(stage, OPTIMIZERS[name](), params, batches, min_shard_size=1)
 
-    atol = ATOLS.get(name, ATOL)
+    atol = PARITY_ATOLS.get(name, ATOL)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=atol)
     got = opt.full_params(state)
     for path, want in jax.tree_util.tree_leaves_with_path(ref_params):

@@ -15,6 +15,7 @@ import optax
 import pytest
 from _models import (
     OPTIMIZERS,
+    PARITY_ATOLS,
     assert_tree_close,
     awkward_batches,
     awkward_loss,
@@ -29,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 import jzero
 
 RTOL, ATOL = 1e-6, 1e-6
-ATOLS = {"sgd_momentum": 5e-6}  # as tests/core/test_parity.py, for the same reason
 STEPS = 5
 # Transformations whose masks and labels read no parameter names (the NNX model's differ).
 NNX_OPTIMIZERS = sorted(set(OPTIMIZERS) - {"masked", "multi_transform_frozen"})
@@ -65,7 +65,7 @@ def test_a_jit_step_with_shard_optimizer_matches_single_device_optax(stage, name
     params, batches, mesh = awkward_params(), awkward_batches(STEPS), jzero.data_mesh()
     want = reference(OPTIMIZERS[name](), params, awkward_loss, batches)
     got_params, got_state, losses = user_jit_run(OPTIMIZERS[name](), params, batches, mesh, stage)
-    atol = ATOLS.get(name, ATOL)
+    atol = PARITY_ATOLS.get(name, ATOL)
     assert losses == pytest.approx(want.losses, rel=RTOL, abs=atol)
     assert_tree_close(got_params, want.params, rtol=RTOL, atol=atol)
     assert jax.tree.structure(got_state) == jax.tree.structure(want.opt_state)
@@ -113,7 +113,7 @@ def test_an_nnx_jit_step_with_jzero_optimizer_matches_nnx_optimizer(stage, name)
     single = lambda batch: jax.device_put(batch, jax.devices()[0])
     want = _nnx_run(ref_model, ref_opt, batches, single)
     got = _nnx_run(model, opt, batches, lambda batch: _on_data(batch, mesh))
-    atol = ATOLS.get(name, ATOL)
+    atol = PARITY_ATOLS.get(name, ATOL)
     assert got == pytest.approx(want, rel=RTOL, abs=atol)
     assert_tree_close(
         nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=RTOL, atol=atol
