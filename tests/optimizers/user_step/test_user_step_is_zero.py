@@ -193,8 +193,8 @@ def test_gather_with_the_mesh_changes_nothing_in_jzeros_own_step(stage):
 
 def test_stages_1_and_2_are_one_program_in_the_users_step():
     """In the user's own step the compiler places the collectives, and stages 1 and 2 lay
-    out the gradients and the state on the same shards: one program (so the peers' Optax
-    suite runs at stages 1 and 3 in CI, tests/vendor/peer_failures.py)."""
+    out the gradients and the state on the same shards: one program (so the peers' suites
+    leave stage 2 out in CI, tests/vendor/peer_failures.py)."""
     mesh = jzero.data_mesh()
     params = {"w": jnp.ones((16, 8)), "b": jnp.ones((8,)), "s": jnp.ones(())}
 

@@ -4,8 +4,9 @@
 How the substitution works. The tests build every optimizer through the module
 ``optax._src.alias``: ``getattr(alias, opt_name)(**kwargs)`` (``_get_opt``), or
 ``alias.sgd(...)``, ``alias.lbfgs(...)`` directly, at the time the test runs. For each test
-(once per variant of ``vendor/peer_failures.py``: stage 1, 2, 3, on 2 devices and with
-``JZERO_PEER_VARIANTS=all`` on 8) an autouse fixture monkeypatches each of the module's optimizer
+(once per variant of ``vendor/peer_failures.py``: stage 3 on 2 devices in CI; stages 1-3,
+and on 8 devices, with ``JZERO_PEER_VARIANTS=all``) an autouse fixture monkeypatches each
+of the module's optimizer
 constructors -- the functions defined in ``alias.py`` and the ``functools.partial`` s of
 them (``nadam``, ``nadamw``) -- with one that builds Optax's optimizer and returns
 ``jzero.shard_optimizer(tx, mesh, stage=S)`` on the variant's mesh. Nothing else
