@@ -12,11 +12,13 @@
 # jzero's GPU step passes (XLA renamed it once), stage 3's scans saving each layer's
 # input once (JAX's checkpoint-of-scan rule decides it), its whole-loss checkpoint only
 # where a gathered parameter is held (read from JAX's mark on saved values), Orbax
-# checkpoints that reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh's compiles for
-# absent GPUs (the CUDA plugin 0.11.2), what the peers' tests pass a drop-in (L-BFGS's
-# value_fn, typed keys, complex parameters), and the GPU check's fast tests
-# (test_gpu_check). --dist loadgroup: each group's shared compiles (the GPU programs, one
-# group per mesh) are made once, on one worker.
+# checkpoints that reshard, Flax Linen and NNX at stage 3, jzero.gpu_mesh and three of
+# its compiles for 8 absent GPUs (the CUDA plugin 0.11.2: the user step's stage-1
+# reduce-scatter, stage 2's per-layer reduce-scatter over a scan, stage 3's per-layer
+# gathers with the pipeliner off; the newest run compiles every one, on 8 and 64), what
+# the peers' tests pass a drop-in (L-BFGS's value_fn, typed keys, complex parameters),
+# and the GPU check's fast tests (test_gpu_check). --dist loadgroup: the GPU programs
+# the group shares are compiled once, on one worker.
 # scripts/test.sh runs everything on the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +44,12 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/checkpoint/test_checkpoint.py::test_round_trip_reshards_across_stages_and_device_counts[saved3-restored3]" \
     "tests/checkpoint/test_checkpoint.py::test_resume_equals_uninterrupted_bitwise[precision1]" \
     "tests/adapters/test_flax.py::test_linen_matches_single_device[3]" \
-    "tests/adapters/test_flax.py::test_nnx_matches_single_device[3]" tests/core/gpu_target \
+    "tests/adapters/test_flax.py::test_nnx_matches_single_device[3]" \
+    tests/core/gpu_target/test_gpu_mesh.py tests/core/gpu_target/test_gpu_target_errors.py \
+    "tests/core/gpu_target/test_compiled_for_gpus.py::test_no_gradient_is_all_reduced_at_stages_1_to_3[user-1-8]" \
+    "tests/core/gpu_target/test_compiled_for_gpus.py::test_stage_2_reduce_scatters_each_layer_inside_the_backward_loop[jzero]" \
+    "tests/core/gpu_target/test_compiled_for_gpus.py::test_no_loop_carries_a_layers_full_gradients_into_the_next_step[3-8]" \
+    tests/core/gpu_target/test_compiled_for_gpus.py::test_stage_3_gathers_each_layer_inside_the_forward_and_backward_loops \
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_lbfgs_line_search_takes_the_loss_function_as_an_extra_argument[jit-3]" \
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_a_typed_key_in_the_state_of_jzeros_own_step[3]" \
     "tests/optimizers/user_step/test_drop_in_inputs.py::test_complex_parameters_in_the_users_step[2]" \
