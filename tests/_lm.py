@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import pytest
 
 import jzero
 
@@ -39,6 +40,9 @@ LM_STEPS, LM_LAST = 200, 20  # the final loss: the mean of the last LM_LAST step
 # reaches.
 TRAINED = 0.7
 SNAPSHOTS = (0, 50, 100)  # steps of the exact run whose states the per-step checks start from
+ON_THE_EXACT_RUN = pytest.mark.xdist_group("lm_exact_run")
+"""The mark of the tests that start from :func:`exact_snapshot`: one xdist worker runs them
+all, so the exact run (101 steps) is trained once per session, not once per worker."""
 loss_fn = gpt.make_loss_fn(LM)
 
 

@@ -77,16 +77,18 @@ def h100_plan():
     return _plan(target="h100:8")
 
 
+def _h100s(spelled: str):
+    """8 H100s as a target string, or as the ``jzero.gpu_mesh`` of them."""
+    return jzero.gpu_mesh("h100", devices=8) if spelled == "mesh" else spelled
+
+
 @needs_plugin
 @pytest.mark.xdist_group("h100_plans")
-@pytest.mark.parametrize("target", ["h100:8", "mesh"])
-def test_a_plan_for_gpus_that_are_not_here(target, request):
-    """Compiled for 8 H100s (a string, or a jzero.gpu_mesh): the chosen configuration's
-    compiled peak is within the H100's budget, and the offload note is in the result."""
-    if target == "mesh":
-        choice = _plan(target=jzero.gpu_mesh("h100", devices=8))
-    else:
-        choice = request.getfixturevalue("h100_plan")
+def test_a_plan_for_gpus_that_are_not_here(h100_plan):
+    """Compiled for 8 H100s: the chosen configuration's compiled peak is within the H100's
+    budget, and the offload note is in the result. (A ``jzero.gpu_mesh`` target: the
+    budget from its GPUs in the refusal below, a search on it in the micro-batch test.)"""
+    choice = h100_plan
     assert choice.config is not None and choice.config.stage == 2
     assert choice.device_budget == target_budget(parse_target("h100:8"))
     assert 0 < choice.chosen.device_bytes <= choice.device_budget
@@ -103,15 +105,17 @@ def test_plans_with_offload_are_refused_for_a_target():
 
 
 @needs_plugin
-def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it():
+@pytest.mark.parametrize("target", ["h100:8", "mesh"])
+def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it(target):
     """Model states alone over budget at every stage: refused before any compile, with
-    the estimator's count of GPUs (whole hosts of 8)."""
+    the estimator's count of GPUs (whole hosts of 8) and the H100's budget, also when the
+    target is a ``jzero.gpu_mesh``."""
     huge = {"w": jax.ShapeDtypeStruct((2**20, 2**17), jnp.float32)}  # 137 B parameters
     # 274.88 GB of states per GPU at stage 3 over 63.71 GB: 35 GPUs, whole hosts of 8
     message = r"\(274\.88 GB per GPU at best.*63\.71 GB on every one of the 8 GPUs at every "
     with pytest.raises(ValueError, match=message + "stage; about 40 such GPUs would hold"):
         jzero.autoconfigure(lambda p, b: jnp.sum(p["w"]), huge, batch=BATCH,
-                            tx=optax.adamw(1e-3), target="h100:8")  # fmt: skip
+                            tx=optax.adamw(1e-3), target=_h100s(target))  # fmt: skip
 
 
 @needs_plugin
@@ -119,12 +123,13 @@ def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it():
 def test_the_answer_shows_the_next_larger_micro_batch_does_not_fit(h100_plan):
     """With a budget just under the one-micro-batch step's compiled peak, the chosen
     configuration takes two micro-batches, and ``choice.larger`` is that same
-    configuration at one, as compiled by the same GPU compiler: over the budget."""
+    configuration at one, as compiled by the same GPU compiler: over the budget. (Searched
+    on a ``jzero.gpu_mesh`` of the H100s, the other way to name a target.)"""
     whole = h100_plan
     assert whole.chosen.config.step.grad_accum == 1 and whole.larger is None
     one = next(r for r in whole.rows if r.name == "zero2 accum=1")
     assert one.compile_seconds > 0
-    cut = _plan(target="h100:8", device_budget=one.device_bytes - 1)
+    cut = _plan(target=_h100s("mesh"), device_budget=one.device_bytes - 1)
     row, larger = cut.chosen, cut.larger
     assert row.config.step.grad_accum == 2 and row.micro_batch == 1
     assert larger.config == dataclasses.replace(

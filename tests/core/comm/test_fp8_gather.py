@@ -25,7 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _lm import LM_STEPS, SNAPSHOTS, TRAINED, exact_snapshot, final, lm_losses, sgd_step
+from _lm import (
+    LM_STEPS,
+    ON_THE_EXACT_RUN,
+    SNAPSHOTS,
+    TRAINED,
+    exact_snapshot,
+    final,
+    lm_losses,
+    sgd_step,
+)
 from _lm import value_and_grad as lm_value_and_grad
 from _models import (
     awkward_batches,
@@ -282,6 +291,7 @@ def _within_first_order(params, w_hat, loss_hat, batch, value_and_grad) -> tuple
     return loss, moved, first_order
 
 
+@ON_THE_EXACT_RUN
 @pytest.mark.parametrize("at", SNAPSHOTS)
 def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at):
     """From the exact AdamW run's state after ``at`` steps, one fp8-gathered step of the

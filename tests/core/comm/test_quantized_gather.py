@@ -25,6 +25,7 @@ import optax
 import pytest
 from _lm import (
     LM_STEPS,
+    ON_THE_EXACT_RUN,
     SNAPSHOTS,
     TRAINED,
     exact_snapshot,
@@ -199,6 +200,7 @@ def test_quantized_gathers_below_stage_3_are_refused():
         jzero.ZeroOptimizer(optax.sgd(1e-2), jzero.data_mesh(), stage=2, comm=INT8)
 
 
+@ON_THE_EXACT_RUN
 @pytest.mark.parametrize("at", SNAPSHOTS)
 def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at):
     """From the exact AdamW run's state after ``at`` steps, one int8-gathered step of the

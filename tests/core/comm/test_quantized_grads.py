@@ -24,6 +24,7 @@ import pytest
 from _lm import (
     BATCH,
     LM_STEPS,
+    ON_THE_EXACT_RUN,
     SNAPSHOTS,
     TRAINED,
     exact_snapshot,
@@ -270,6 +271,7 @@ def _lm_per_device_grads(params: dict, batch: dict) -> tuple[float, list]:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
+@ON_THE_EXACT_RUN
 @pytest.mark.parametrize("at", SNAPSHOTS)
 def test_lm_step_from_the_exact_trajectory_is_within_the_summed_bound(at, dtype):
     """From the exact AdamW run's state after ``at`` steps, one step of the example LM with
