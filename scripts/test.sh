@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (fast tests and the `slow` end-to-end ones) in a fresh venv,
+# Runs CI's tier of the test suite (fast tests and the `slow` end-to-end ones, less the
+# `extended` cases, tests/_ci_tier.py; `-m ''` runs every test) in a fresh venv,
 # .venv-test: jzero[dev] and the gpu-compile extra (JAX's CUDA plugin at jaxlib's version,
 # for jzero.gpu_mesh's compiles for GPUs that are not there). Its own venv, because with
 # that plugin installed a JAX program on a machine without a GPU prints the plugin's
@@ -13,4 +14,4 @@ v=$(.venv-test/bin/python -c 'import jaxlib; print(jaxlib.__version__)')
 .venv-test/bin/python -m pip install -q -e '.[dev,gpu-compile]' "jax-cuda12-plugin==$v" \
     "jax-cuda12-pjrt==$v"
 .venv-test/bin/python -m pytest -q -p no:cacheprovider -n "${JZERO_TEST_WORKERS:-2}" \
-    --dist loadgroup -m '' "$@"
+    --dist loadgroup -m 'not extended' "$@"

@@ -14,7 +14,9 @@ import tempfile
 # the plugin first. It still describes GPUs to compile for.
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import _ci_tier  # noqa: E402
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -41,3 +43,8 @@ jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
 def pytest_unconfigure(config):
     if _OWN_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ[_CACHE_VAR], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+def pytest_collection_modifyitems(config, items):
+    _ci_tier.mark_extended(items)

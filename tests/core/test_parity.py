@@ -40,6 +40,7 @@ def _run(stage, tx, params, batches, **kw):
     return opt, state, losses
 
 
+@pytest.mark.every_case  # the oracle: every optimizer at every stage, in CI too
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_matches_single_device_optax(stage, name):

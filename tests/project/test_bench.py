@@ -136,6 +136,8 @@ def _part(name: str):
 
 
 @pytest.mark.slow
+# CI's time: the script's own run is extended (scripts/test.sh -m ''); CI checks its JSON
+@pytest.mark.extended
 def test_bench_json_schema_and_quick_targets(tmp_path, capsys):
     bench = _load_bench()
     out = tmp_path / "x.json"
@@ -434,6 +436,8 @@ def _peak(opt, cfg, batch):
 
 
 @pytest.mark.slow
+# CI's time: the script's own run is extended (scripts/test.sh -m ''); CI checks its JSON
+@pytest.mark.extended
 def test_bench_max_model_tiny_budget(tmp_path, capsys):
     bench = _load_bench()
     out = tmp_path / "mm.json"
@@ -591,6 +595,8 @@ def _check_accuracy(result: dict, *, seeds: int, steps: int) -> None:
 
 
 @pytest.mark.slow
+# CI's time: the script's own run is extended (scripts/test.sh -m ''); CI checks its JSON
+@pytest.mark.extended
 def test_accuracy_script_runs_every_variant_on_the_same_seeds(tmp_path, capsys):
     out = tmp_path / "acc.json"
     argv = ["--seeds", "2", "--steps", "3", "--last", "2", "--layers", "1", "--d-model", "16"]

@@ -31,9 +31,12 @@ MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "h
 
 
 def _on_the_dry_run(test):
-    """The dry run (about 5 minutes) is one module-scoped fixture: its tests share an xdist
-    group, so one worker runs it once, not every worker that draws one of them."""
-    return pytest.mark.slow(pytest.mark.xdist_group("gpu_check_dry_run")(test))
+    """The dry run (13 minutes of CI's 2 cores) is one module-scoped fixture: its tests share
+    an xdist group, so one worker runs it once, not every worker that draws one of them.
+    ``extended`` (tests/_ci_tier.py): not in CI, for its time; a session lent a GPU runs it
+    first, as the check's pre-flight (``bash scripts/gpu_check.sh --dry-run``)."""
+    test = pytest.mark.xdist_group("gpu_check_dry_run")(test)
+    return pytest.mark.slow(pytest.mark.extended(test))
 
 
 def _results(doc: dict) -> list[dict]:

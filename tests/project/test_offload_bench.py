@@ -43,6 +43,8 @@ def test_the_time_split_adds_up_to_each_step():
 
 
 @pytest.mark.slow
+# CI's time: the script's own run is extended (scripts/test.sh -m ''); CI checks its JSON
+@pytest.mark.extended
 def test_a_quick_run_writes_every_mode(tmp_path):
     out = tmp_path / "offload.json"
     result = _script("offload_bench").main(["--quick", "--json", str(out)])

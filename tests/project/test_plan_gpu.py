@@ -89,6 +89,8 @@ def test_the_generated_table_has_a_row_per_plan():
 
 @needs_plugin
 @pytest.mark.slow
+# CI's time: the script's own run is extended (scripts/test.sh -m ''); CI checks its JSON
+@pytest.mark.extended
 def test_a_70b_compile_for_64_h200s_stays_under_2gb_of_host_memory():
     """Nothing the model's size is allocated: Llama 3 70B's stage-3 step compiled for 64
     H200s in a fresh process peaks under 2 GB resident (its states alone are 1.1 TB)."""

@@ -71,6 +71,8 @@ def check_consistent(result: dict) -> None:
 
 
 @pytest.mark.slow
+# CI's time: the script's own run is extended (scripts/test.sh -m ''); CI checks its JSON
+@pytest.mark.extended
 def test_quick_run_writes_a_consistent_search(tmp_path):
     pytest.importorskip(
         "jax_plugins.xla_cuda12",

@@ -23,6 +23,9 @@ from _paths import load_script
 
 import jzero
 
+# Every case in CI (tests/_ci_tier.py): P23 names each stage, step and mesh.
+pytestmark = pytest.mark.every_case
+
 pytest.importorskip(
     "jax_plugins.xla_cuda12",
     reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
