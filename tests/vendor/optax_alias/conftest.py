@@ -76,6 +76,14 @@ CONSTRUCTORS = {name: f for name, f in vars(alias).items() if _is_constructor(na
 _building = threading.local()
 
 
+def pytest_itemcollected(item):
+    """Every case ``extended`` (tests/_ci_tier.py), for CI's time: 623 tests took 17
+    CPU-minutes of CI's 2-core machine at one stage, and none fails at one stage and not
+    another. Flax's suite, the vendored models and jzero's own Optax parity tests of the
+    user's step are CI's seams with the peers' code; ``scripts/test.sh -m ''`` runs these."""
+    item.add_marker(pytest.mark.extended)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makeitem(collector, name, obj):
     return peers.make_case(collector, name, obj, suite=SUITE, warning_filters=UPSTREAM_WARNINGS)
