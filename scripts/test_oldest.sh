@@ -61,6 +61,6 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/core/gather/test_unrolled_stage3.py::test_a_use_repeated_in_every_layer_is_traced_once" \
     "tests/core/gather/test_unrolled_stage3.py::test_matches_single_device_optax[loop]" \
     "$@"
-# test_gpu_check's fast tests. Its dry run (`slow`: every part at tiny sizes, about 17
-# minutes on 2 cores) runs in scripts/test.sh on the newest versions only, for CI's time.
+# test_gpu_check's fast tests. Its dry run (every part at tiny sizes, 13 minutes of 2
+# cores) is `extended`: scripts/test.sh -m '' runs it, on the newest versions.
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider tests/project/test_gpu_check.py "$@"
