@@ -233,6 +233,7 @@ def test_lm_step_from_the_exact_trajectory_is_taken_at_the_dequantized_params(at
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI's time; its per-step bounds from the exact run are in CI
 def test_example_lm_trains_with_int8_gathers():
     """200 steps with int8 gathers end below 0.7 x the first loss (tests/_lm.py: TRAINED)."""
     losses = lm_losses(INT8)

@@ -23,7 +23,7 @@ from _paths import load_script
 
 import jzero
 
-# Every case in CI (tests/_ci_tier.py): P23 names each stage, step and mesh.
+# Every case on 8 GPUs in CI (tests/_ci_tier.py): P23 names each stage, step and mesh.
 pytestmark = pytest.mark.every_case
 
 pytest.importorskip(
@@ -38,9 +38,20 @@ def on(devices: int):
     return pytest.mark.xdist_group(f"gpu_compile_{devices}")
 
 
+# On 64 GPUs CI compiles two of the seven programs, jzero's stage 3 (3Ψ, the per-layer
+# gathers) and the user's stage 1 (the compiler's reduce-scatter); the other cases on 64
+# are extended (tests/_ci_tier.py: about 35 s a compile of CI's 2 cores), run by -m ''.
+IN_CI_ON_64 = {("jzero", 3), ("user", 1), (3,)}  # (kind, stage), or jzero's (stage,)
+
+
 def grouped(cases):
     """``cases`` as ``pytest.param`` s, each in the group of its mesh (its last value)."""
-    return [pytest.param(*case, marks=on(case[-1])) for case in cases]
+    return [pytest.param(*case, marks=_marks(tuple(case))) for case in cases]
+
+
+def _marks(case: tuple) -> list:
+    extended = case[-1] == 64 and case[:-1] not in IN_CI_ON_64
+    return [on(case[-1])] + ([pytest.mark.extended] if extended else [])
 
 
 programs = load_script("gpu_compile")  # the programs, and their figures for the JSON

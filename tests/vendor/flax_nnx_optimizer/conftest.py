@@ -5,7 +5,7 @@ How the substitution works. The test module does ``from flax import nnx`` and bu
 optimizers as ``nnx.Optimizer(model, tx, wrt=...)`` and ``nnx.ModelAndOptimizer(model,
 tx)`` (Flax 0.12's deprecated optimizer that keeps the model; one test subclasses it), at
 the time each test runs. For each test (once per variant of ``vendor/peer_failures.py``:
-stages 1 and 3 on 2 devices in CI; stage 2, and 8 devices, with
+stage 3 on 2 devices in CI; stages 1-3, and 8 devices, with
 ``JZERO_PEER_VARIANTS=all``) an autouse fixture
 replaces the module's global ``nnx`` with a stand-in that is ``flax.nnx`` in every name but two:
 
