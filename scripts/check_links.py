@@ -48,6 +48,7 @@ def is_external(url: str) -> bool:
 def broken_links(root: Path) -> list[str]:
     """``'page.html: link (why)'`` for every internal link of the site at ``root`` that
     does not resolve; empty when all do."""
+    root = root.resolve()  # the keys, as each link's resolved target is looked up
     pages = {p: _parse(p) for p in sorted(root.rglob("*.html"))}
     broken = []
     for page_path, page in pages.items():
