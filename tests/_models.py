@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -225,14 +226,72 @@ OPTIMIZERS = {
     ),
 }
 
-# Parity with single-device Optax in fp32 holds to rtol 1e-6 and atol 1e-6 (the distributed
-# step sums gradients in another order: a few ulps), except for these optimizers, where the
-# parameters' absolute error may reach the bound given:
-# - sgd_momentum: Nesterov momentum weighs each step's gradient by up to 1 + 0.9 + 0.81 +
-#   ... (~10), so that rounding accumulates (jax 0.11.2: 2.6e-6 on w1 at every stage alike,
-#   stage 0, plain data parallelism, included);
-# - multisteps (Adam behind MultiSteps' accumulated mean): on a CPU with AVX-512, XLA:CPU
-#   vectorises the two programs' reductions differently, and after 5 steps one element
-#   differs by 2.4e-6 (20 ulps of 1.13) at every stage alike, stage 0 included; with
-#   AVX2 (--xla_cpu_max_isa=AVX2) the same tests are within 1e-6.
-PARITY_ATOLS = {"sgd_momentum": 5e-6, "multisteps": 5e-6}
+
+# One step from the same state, fp32: the distributed step sums the gradient in another
+# order (per-device partial sums, then a psum or reduce-scatter), a few ulps of the terms
+# summed. Where the state holds a gradient element itself (SGD's momentum trace, MultiSteps'
+# accumulator), its error is absolute: up to 1.13e-6 in one step, at every stage and in plain
+# data parallelism alike, on a CPU with AVX-512 (XLA:CPU vectorises the single-device
+# reduction differently; 2.1e-7 with --xla_cpu_max_isa=AVX2), over every optimizer and stage
+# of tests/core/test_parity.py and the user's step.
+STEP_RTOL, STEP_ATOL = 1e-6, 2e-6
+
+
+class Trajectory(NamedTuple):
+    """A run's state gathered whole on one device, ``(params, opt_state)`` before each step
+    and after the last, and each step's loss."""
+
+    wholes: list[tuple[Any, Any]]
+    losses: list[Any]
+
+
+def record(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    state: Any,
+    whole: Callable[[Any], tuple[Any, Any]],
+    batches: list[Any],
+) -> tuple[Any, Trajectory]:
+    """``step(state, batch) -> (state, loss)`` over ``batches`` from ``state``: the last state
+    and the trajectory, each state gathered by ``whole(state) -> (params, opt_state)``."""
+    # Through the host: a gathered array may be typed with the run's (Explicit) mesh.
+    on_one_device = lambda state: jax.device_put(jax.device_get(whole(state)), jax.devices()[0])
+    wholes, losses = [on_one_device(state)], []
+    for batch in batches:
+        state, loss = step(state, batch)
+        wholes.append(on_one_device(state))
+        losses.append(loss)
+    return state, Trajectory(wholes, losses)
+
+
+def assert_each_step_is_optax(
+    tx: optax.GradientTransformation,
+    loss_fn: Callable[..., Any],
+    trajectory: Trajectory,
+    batches: list[Any],
+) -> None:
+    """Each step of a run is one step of plain single-device Optax from the same state.
+
+    The run must start from ``tx.init``'s state. Then, from the run's own state before each
+    step, Optax's step (``tx`` over ``loss_fn``'s gradient) on the same batch on one device
+    must give the run's loss, parameters and optimizer state after it, to fp32 rounding:
+    ``STEP_RTOL`` and ``STEP_ATOL``. Rounding cannot accumulate from step to step, so the
+    bound is one step's at any length, for every optimizer alike.
+    """
+    device, wholes = jax.devices()[0], trajectory.wholes
+    optax_step = jax.jit(functools.partial(_optax_step, tx, loss_fn))
+    assert_tree_close(wholes[0][1], tx.init(wholes[0][0]), rtol=STEP_RTOL, atol=STEP_ATOL)
+    for i, batch in enumerate(batches):
+        params, opt_state, loss = optax_step(*wholes[i], jax.device_put(batch, device))
+        try:
+            np.testing.assert_allclose(trajectory.losses[i], loss, rtol=STEP_RTOL, atol=STEP_ATOL)
+            assert jax.tree.structure(wholes[i + 1][1]) == jax.tree.structure(opt_state)
+            assert_tree_close(wholes[i + 1], (params, opt_state), rtol=STEP_RTOL, atol=STEP_ATOL)
+        except AssertionError as error:
+            error.add_note(f"at step {i} of {len(batches)}")
+            raise
+
+
+def _optax_step(tx, loss_fn, params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss

@@ -6,8 +6,6 @@ collectives and memory."""
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from _models import OPTIMIZERS as PARITY_OPTIMIZERS
-from _models import PARITY_ATOLS, awkward_batches, awkward_loss, awkward_params, reference
+from _models import assert_each_step_is_optax, awkward_batches, awkward_loss, awkward_params, record
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -23,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 import jzero
 from jzero.accounting import collectives
 
-RTOL, ATOL = 1e-6, 1e-6  # as tests/core/test_parity.py: fp32, gradients summed in another order
 STEPS = 5
 E, A = AxisType.Explicit, AxisType.Auto
 OPTIMIZERS = {**PARITY_OPTIMIZERS, "muon": lambda: optax.contrib.muon(1e-2)}
@@ -41,34 +38,28 @@ def _auto(mesh):
 
 
 class Run:
-    """One training run: losses, the final state and what the optimizer exports of it."""
+    """One training run: losses, the final state and what the optimizer exports of it, and
+    its trajectory (each state gathered whole, ``_models.record``)."""
 
     def __init__(self, mesh, stage, tx, *, batches=None, params=None, place=None, **kw):
         self.opt = jzero.ZeroOptimizer(tx, mesh, stage=stage, min_shard_size=1, **kw)
-        self.state = self.opt.init(awkward_params() if params is None else params)
-        step = self.opt.train_step(awkward_loss)
-        self.losses = []
-        for batch in awkward_batches(STEPS) if batches is None else batches:
-            self.state, metrics = step(self.state, place(batch) if place else batch)
-            self.losses.append(metrics["loss"])
-        self.metrics = metrics
-        self.params = self.opt.full_params(self.state)
-        self.opt_state = self.opt.full_state(self.state).opt_state
+        train_step = self.opt.train_step(awkward_loss)
 
+        def step(state, batch):
+            state, self.metrics = train_step(state, place(batch) if place else batch)
+            return state, self.metrics["loss"]
 
-@functools.cache
-def _reference(name):
-    return reference(OPTIMIZERS[name](), awkward_params(), awkward_loss, awkward_batches(STEPS))
+        whole = lambda state: (self.opt.full_params(state), self.opt.full_state(state).opt_state)
+        self.batches = awkward_batches(STEPS) if batches is None else batches
+        state = self.opt.init(awkward_params() if params is None else params)
+        self.state, self.trajectory = record(step, state, whole, self.batches)
+        self.losses = self.trajectory.losses
+        self.params, self.opt_state = whole(self.state)
 
 
 def _assert_optax(run, name):
-    ref, atol = _reference(name), PARITY_ATOLS.get(name, ATOL)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=atol)
-    for got, want in [(run.params, ref.params), (run.opt_state, ref.opt_state)]:
-        assert jax.tree.structure(got) == jax.tree.structure(want)
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            assert g.shape == w.shape and g.dtype == w.dtype
-            np.testing.assert_allclose(g, w, rtol=RTOL, atol=atol)
+    """Each step is single-device Optax's from the same state (rtol and atol 1e-6)."""
+    assert_each_step_is_optax(OPTIMIZERS[name](), awkward_loss, run.trajectory, run.batches)
 
 
 def _assert_same(run, other):

@@ -2,9 +2,10 @@
 in a plain ``jax.jit`` step (12 transformations) and ``jzero.nnx.Optimizer`` in an ``nnx.jit``
 step (10), at stages 1-3, on 8 CPU devices; and a Linen ``TrainState`` unchanged.
 
-The tolerance is jzero's own step's (``tests/core/test_parity.py``): fp32, 5 steps, rtol and
-atol 1e-6 (5e-6 for Nesterov momentum). The compiler sums the 8 devices' gradients in
-another order than the single-device reference, which moves elements by a few ulps.
+The tolerance is jzero's own step's (``tests/core/test_parity.py``): fp32, each of 5 steps
+from the same state (``_models.assert_each_step_is_optax``, ``STEP_RTOL`` and
+``STEP_ATOL``). The compiler sums the 8 devices' gradients in another order than the
+single-device reference, which moves elements by a few ulps.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import optax
 import pytest
 from _models import (
     OPTIMIZERS,
-    PARITY_ATOLS,
+    STEP_ATOL,
+    STEP_RTOL,
+    assert_each_step_is_optax,
     assert_tree_close,
     awkward_batches,
     awkward_loss,
     awkward_params,
+    record,
     reference,
 )
 from flax import nnx
@@ -39,42 +43,36 @@ def _on_data(batch, mesh):
     return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
-def user_jit_run(tx, params, batches, mesh, stage):
-    """The step a user writes with Optax, ``jzero.shard_optimizer`` in ``tx``'s place."""
+def user_jit_step(tx, params, mesh, stage):
+    """The step a user writes with Optax, ``jzero.shard_optimizer`` in ``tx``'s place, and
+    its first state: ``step((params, opt_state), batch) -> ((params, opt_state), loss)``."""
     sharded = jzero.shard_optimizer(tx, mesh, stage=stage)
     if stage == 3:
         params = jzero.shard_params(params, mesh)
-    opt_state = sharded.init(params)
 
     @jax.jit
-    def step(params, opt_state, batch):
+    def step(state, batch):
+        params, opt_state = state
         loss, grads = jax.value_and_grad(awkward_loss)(params, batch)
         updates, opt_state = sharded.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return (optax.apply_updates(params, updates), opt_state), loss
 
-    losses = []
-    for batch in batches:
-        params, opt_state, loss = step(params, opt_state, _on_data(batch, mesh))
-        losses.append(float(loss))
-    return params, opt_state, losses
+    return lambda state, batch: step(state, _on_data(batch, mesh)), (params, sharded.init(params))
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_jit_step_with_shard_optimizer_matches_single_device_optax(stage, name):
-    params, batches, mesh = awkward_params(), awkward_batches(STEPS), jzero.data_mesh()
-    want = reference(OPTIMIZERS[name](), params, awkward_loss, batches)
-    got_params, got_state, losses = user_jit_run(OPTIMIZERS[name](), params, batches, mesh, stage)
-    atol = PARITY_ATOLS.get(name, ATOL)
-    assert losses == pytest.approx(want.losses, rel=RTOL, abs=atol)
-    assert_tree_close(got_params, want.params, rtol=RTOL, atol=atol)
-    assert jax.tree.structure(got_state) == jax.tree.structure(want.opt_state)
-    assert_tree_close(got_state, want.opt_state, rtol=RTOL, atol=atol)
+    mesh = jzero.data_mesh()
+    step, state = user_jit_step(OPTIMIZERS[name](), awkward_params(), mesh, stage)
+    batches = awkward_batches(STEPS)
+    (params, _), trajectory = record(step, state, lambda state: state, batches)
+    assert_each_step_is_optax(OPTIMIZERS[name](), awkward_loss, trajectory, batches)
     # The awkward model's one leaf that 8 divides (emb, 40 x 13) rests sharded, and its
     # optimizer-state twins with it; the others stay whole.
     rest = lambda x: x.sharding.spec
-    assert rest(got_params["emb"]) == (P("data") if stage == 3 else P())
-    assert rest(got_params["w1"]) == P()
+    assert rest(params["emb"]) == (P("data") if stage == 3 else P())
+    assert rest(params["w1"]) == P()
 
 
 class Mlp(nnx.Module):
@@ -90,14 +88,23 @@ def _nnx_loss(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def _nnx_run(model, optimizer, batches, put):
+def _nnx_step(put):
+    """The step a user writes with NNX: ``step(model, optimizer, batch) -> loss``."""
+
     @nnx.jit
     def step(model, optimizer, batch):
         loss, grads = nnx.value_and_grad(_nnx_loss)(model, batch)
         optimizer.update(model, grads)
         return loss
 
-    return [float(step(model, optimizer, put(batch))) for batch in batches]
+    return lambda model, optimizer, batch: float(step(model, optimizer, put(batch)))
+
+
+def _take(target, state, *filters):
+    """``target`` (an NNX object on one device) given ``state``'s values, gathered whole."""
+    own = nnx.state(target, *filters)
+    values = jax.device_put(jax.tree.leaves(state), jax.devices()[0])
+    nnx.update(target, jax.tree.unflatten(jax.tree.structure(own), values))
 
 
 # Each transformation once, at stages 1, 2, 3 in turn (the plain jit step above runs the
@@ -106,19 +113,23 @@ def _nnx_run(model, optimizer, batches, put):
     ("stage", "name"), [((1, 2, 3)[i % 3], name) for i, name in enumerate(NNX_OPTIMIZERS)]
 )
 def test_an_nnx_jit_step_with_jzero_optimizer_matches_nnx_optimizer(stage, name):
-    mesh, batches = jzero.data_mesh(), awkward_batches(STEPS)
+    mesh = jzero.data_mesh()
     ref_model, model = Mlp(nnx.Rngs(0)), Mlp(nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref_model, OPTIMIZERS[name](), wrt=nnx.Param)
     opt = jzero.nnx.Optimizer(model, OPTIMIZERS[name](), wrt=nnx.Param, mesh=mesh, stage=stage)
-    single = lambda batch: jax.device_put(batch, jax.devices()[0])
-    want = _nnx_run(ref_model, ref_opt, batches, single)
-    got = _nnx_run(model, opt, batches, lambda batch: _on_data(batch, mesh))
-    atol = PARITY_ATOLS.get(name, ATOL)
-    assert got == pytest.approx(want, rel=RTOL, abs=atol)
-    assert_tree_close(
-        nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=RTOL, atol=atol
-    )
-    assert_tree_close(nnx.state(opt), nnx.state(ref_opt), rtol=RTOL, atol=atol)
+    ref_step = _nnx_step(lambda batch: jax.device_put(batch, jax.devices()[0]))
+    step = _nnx_step(lambda batch: _on_data(batch, mesh))
+    tol = {"rtol": STEP_RTOL, "atol": STEP_ATOL}
+    assert_tree_close(nnx.state(opt), nnx.state(ref_opt), **tol)
+    # Each step from the same state (as _models.assert_each_step_is_optax): nnx.Optimizer
+    # takes jzero's, gathered, before each; rounding cannot accumulate.
+    for batch in awkward_batches(STEPS):
+        _take(ref_model, nnx.state(model, nnx.Param), nnx.Param)
+        _take(ref_opt, nnx.state(opt))
+        want = ref_step(ref_model, ref_opt, batch)
+        assert step(model, opt, batch) == pytest.approx(want, rel=STEP_RTOL, abs=STEP_ATOL)
+        assert_tree_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), **tol)
+        assert_tree_close(nnx.state(opt), nnx.state(ref_opt), **tol)
     # hidden's kernel (40 x 16) rests sharded along its output dimension at stage 3; the
     # optimizer's state is sharded at every stage, every leaf with a dimension 8 divides.
     kernel = model.hidden.kernel[...]
