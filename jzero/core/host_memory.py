@@ -16,15 +16,26 @@ compile-only GPU.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
 
 def to_host(x: jax.Array) -> jax.Array:
     """``x`` copied into host memory, row-major (a value already there, unchanged)."""
-    if jax.typeof(x).memory_space == jax.memory.Space.Host:
-        return x
-    return jax.device_put(row_major(x), jax.memory.Space.Host)
+    return x if in_host_memory(x) else jax.device_put(row_major(x), jax.memory.Space.Host)
+
+
+def put_on_host(x: Any) -> Any:
+    """``x`` copied into host memory in its own layout (a value already there, unchanged):
+    for values a host computation made, or state that rests row-major."""
+    return x if in_host_memory(x) else jax.device_put(x, jax.memory.Space.Host)
+
+
+def in_host_memory(x: Any) -> bool:
+    """Whether the (traced) array ``x`` is in host memory, e.g. an offloaded shard."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def row_major(x: jax.Array) -> jax.Array:

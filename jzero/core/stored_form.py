@@ -21,7 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from .axis_types import is_auto, on_compute_mesh, typed
-from .comm.collectives import in_host_memory
+from .host_memory import in_host_memory
 from .input_checks import check_live
 from .leaf_layout import pad, unpad
 from .options.precision import LossScale, Precision

@@ -21,6 +21,7 @@ from ...internal.primitives import (
     is_trimming_pad,
     varying_axes,
 )
+from ..host_memory import in_host_memory
 from ..leaf_layout import LeafLayout
 from ..mesh import DATA
 from .hpz import SECONDARY
@@ -79,11 +80,6 @@ def saves_no_gathered(policy: Callable[..., Any]) -> Callable[..., Any]:
         return policy(prim, *args, **params)
 
     return combined
-
-
-def in_host_memory(x: Any) -> bool:
-    """Whether the (traced) array ``x`` is in host memory, e.g. an offloaded shard."""
-    return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
 def on_device(x: jax.Array) -> jax.Array:

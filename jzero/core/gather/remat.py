@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..comm.collectives import GATHERED, after, in_host_memory, saves_no_gathered
+from ..comm.collectives import GATHERED, after, saves_no_gathered
 from ..comm.gatherer import Sharded, gather, with_secondaries, without_secondaries
+from ..host_memory import in_host_memory
 
 
 def _gathers(params: Any) -> bool:

@@ -97,7 +97,7 @@ def host_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
         free = _free(split, b, plan)
         ins = (
             [host_memory.to_host(reduced[i]) for i in b.params],  # row-major, see there
-            [_to_host(o[j]) for j in b.opt],  # a copy only for one on the device
+            [host_memory.put_on_host(o[j]) for j in b.opt],  # a copy only for one on the device
             _down([w[i] for i in b.params]),
             _down([env[v] for v in free]),
         )
@@ -226,7 +226,7 @@ class _OnHost(Interpreter):
             except InternalMoved:  # bound whole as traced: its results moved after it
                 outs = None
         outs = bind(eqn, values) if outs is None else outs
-        placed = [_to_host(x) for x in outs]
+        placed = [host_memory.put_on_host(x) for x in outs]
         self.moved.update(id(y) for x, y in zip(outs, placed) if y is not x)
         return placed
 
@@ -238,12 +238,6 @@ class _OnHost(Interpreter):
         barrier over the whole results would keep every one of them live at once."""
         fresh = lambda x: jax.lax.optimization_barrier(x) if id(x) in self.moved else x
         return jax.tree.map(fresh, results)
-
-
-def _to_host(x: Any) -> Any:
-    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
-        return x
-    return jax.device_put(x, jax.memory.Space.Host)
 
 
 def _bucket_program(
