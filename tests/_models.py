@@ -284,7 +284,7 @@ def assert_each_step_is_optax(
         params, opt_state, loss = optax_step(*wholes[i], jax.device_put(batch, device))
         try:
             np.testing.assert_allclose(trajectory.losses[i], loss, rtol=STEP_RTOL, atol=STEP_ATOL)
-            assert jax.tree.structure(wholes[i + 1][1]) == jax.tree.structure(opt_state)
+            assert jax.tree.structure(wholes[i + 1]) == jax.tree.structure((params, opt_state))
             assert_tree_close(wholes[i + 1], (params, opt_state), rtol=STEP_RTOL, atol=STEP_ATOL)
         except AssertionError as error:
             error.add_note(f"at step {i} of {len(batches)}")

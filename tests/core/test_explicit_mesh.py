@@ -58,7 +58,8 @@ class Run:
 
 
 def _assert_optax(run, name):
-    """Each step is single-device Optax's from the same state (rtol and atol 1e-6)."""
+    """Each step is single-device Optax's from the same state (``_models.STEP_RTOL``,
+    ``STEP_ATOL``)."""
     assert_each_step_is_optax(OPTIMIZERS[name](), awkward_loss, run.trajectory, run.batches)
 
 
