@@ -88,11 +88,6 @@ _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32
 _DTYPES |= {"u32": "uint32", "pred": "bool", "s8": "int8", "u8": "uint8"}
 
 
-def gpu_mesh8() -> Any:
-    """8 compile-only H200s."""
-    return _mesh(8)
-
-
 @functools.cache
 def _mesh(devices: int) -> Any:
     return jzero.gpu_mesh("h200", devices=devices, hosts=max(1, devices // 8))
@@ -146,11 +141,22 @@ def jzero_step(
     stage: int, devices: int = 8, prefetch: bool = False, pipeline_scatter: bool = False
 ) -> Program:
     """jzero's own step (default gathering: ``manual_gather=False``)."""
-    mesh, start = _mesh(devices), time.perf_counter()
+    start = time.perf_counter()
+    step, state, inputs = jzero_inputs(stage, devices, prefetch, pipeline_scatter)
+    return _figures(lambda: step.lower(state, inputs), start)
+
+
+@functools.cache
+def jzero_inputs(
+    stage: int, devices: int = 8, prefetch: bool = False, pipeline_scatter: bool = False
+) -> tuple[Any, Any, dict]:
+    """jzero's train step, its abstract state and batch: lowered and compiled again with
+    these same objects, the step's compile is JAX's cached one."""
+    mesh = _mesh(devices)
     comm = jzero.Communication(prefetch=prefetch, pipeline_scatter=pipeline_scatter)
     opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=stage, comm=comm)
     state = jax.eval_shape(*opt.init_program(init_fn=init))
-    return _figures(lambda: opt.train_step(LOSS).lower(state, batch(mesh)), start)
+    return opt.train_step(LOSS), state, batch(mesh)
 
 
 def _jit_step(tx, loss_fn, params, mesh) -> Program:
