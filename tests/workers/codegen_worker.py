@@ -1,7 +1,7 @@
-"""A jzero step over a scanned stack, compiled for 8 CPU devices and (with JAX's CUDA
-plugin) for 8 compile-only H200s; prints what each compile's program is (a hash of its
-optimised HLO text and its buffer assignment's sizes) and the parameters two steps on the
-CPU train.
+"""tests/_models.py's scanned stack, its jzero stage-2 step compiled for 8 CPU devices
+and (with JAX's CUDA plugin) for 8 compile-only H200s; prints what each compile's program
+is (a hash of its optimised HLO text and its buffer assignment's sizes) and the parameters
+two steps on the CPU train.
 
 tests/project/test_test_setup.py runs it without the tests' code-generation flags
 (tests/conftest.py) and compares it with the same compiles made under them.
@@ -18,31 +18,18 @@ import re
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from _models import stacked_batch, stacked_loss, stacked_params  # noqa: E402
 
 import jzero  # noqa: E402
 
-LAYERS, D = 4, 64
-
-
-def _loss(params, batch):
-    def layer(h, w):
-        return jnp.tanh(h @ w), None
-
-    h, _ = jax.lax.scan(layer, batch["x"], params["stack"])
-    return jnp.mean((h @ params["out"] - batch["y"]) ** 2)
-
 
 def _figures(mesh) -> dict:
-    abstract = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    params = {"stack": abstract((LAYERS, D, D)), "out": abstract((D, 4))}
     opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=2)
-    state = jax.eval_shape(*opt.init_program(init_fn=lambda: jax.tree.map(jnp.ones_like, params)))
+    state = jax.eval_shape(*opt.init_program(init_fn=stacked_params))
     data = jax.sharding.NamedSharding(mesh, jax.P("data"))
-    batch = {"x": (64, D), "y": (64, 4)}
-    batch = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=data) for k, s in batch.items()}
-    compiled = opt.train_step(_loss).lower(state, batch).compile()
+    batch = jax.tree.map(lambda x: x.update(sharding=data), jax.eval_shape(stacked_batch))
+    compiled = opt.train_step(stacked_loss).lower(state, batch).compile()
     memory = compiled.memory_analysis()
     return {
         "hlo_sha1": hashlib.sha1(_program(compiled.as_text()).encode()).hexdigest(),
@@ -59,15 +46,11 @@ def _program(text: str) -> str:
 
 
 def trained(mesh) -> list:
-    """The parameters after two steps from random ones, on random data, and the loss."""
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
-    params = {"stack": jax.random.normal(k1, (LAYERS, D, D)) / D**0.5,
-              "out": jax.random.normal(k2, (D, 4)) / D**0.5}  # fmt: skip
-    batch = {"x": jax.random.normal(k3, (64, D)), "y": jax.random.normal(k4, (64, 4))}
+    """The parameters after two steps, and the loss."""
     opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=2)
-    state, step = opt.init(params), opt.train_step(_loss)
+    state, step = opt.init(stacked_params()), opt.train_step(stacked_loss)
     for _ in range(2):
-        state, metrics = step(state, batch)
+        state, metrics = step(state, stacked_batch())
     return [*jax.tree.leaves(jax.device_get(opt.full_params(state))), metrics["loss"]]
 
 
