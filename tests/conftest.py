@@ -14,21 +14,25 @@ import tempfile
 # the plugin first. It still describes GPUs to compile for.
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-# XLA's code generation cheaper, for this process and the processes tests start: LLVM at
-# -O1 without its expensive passes (XLA:CPU's kernels, the GPU compiles' PTX) and ptxas
-# without optimisation. XLA's HLO passes, and so the program every test reads (its
-# collectives, schedule and buffer assignment), are the defaults' (tests/project/
-# test_test_setup.py). The machine code is not: results differ from the defaults' in
-# rounding (the run and its oracle compile alike, so every comparison is like with like).
-# -O0 broke that likeness: equal arithmetic in two programs was no longer bitwise equal
-# (3 tests failed; by our reading, LLVM's -O0 instruction selector fuses a multiply and an
-# add into an FMA in some kernels only). Measured: tests/core/test_hsdp.py takes 23 % less
-# CPU time, an 8-H200 compile of the example GPT's stage 2 20 % less.
+# XLA's code generation cheaper, for this process and the processes tests start: LLVM at -O1
+# without its expensive passes (XLA:CPU's kernels, the GPU compiles' PTX), ptxas without
+# optimisation, and XLA:CPU's LLVM module generated in one piece (by default it is cloned
+# into up to 32 parts for threads to generate in parallel, which two workers on two cores
+# cannot use; test_hsdp.py: 95.0 -> 87.3 s of CPU time). XLA's HLO passes, and so the
+# program every test reads (its collectives, schedule and buffer assignment), are the
+# defaults' (tests/project/test_test_setup.py). The machine code is not: results differ
+# from the defaults' in rounding (the run and its oracle compile alike, so every comparison
+# is like with like). -O0 broke that likeness: equal arithmetic in two programs was no
+# longer bitwise equal (3 tests failed; by our reading, LLVM's -O0 instruction selector
+# fuses a multiply and an add into an FMA in some kernels only). Measured:
+# tests/core/test_hsdp.py takes 23 % less CPU time, an 8-H200 compile of the example GPT's
+# stage 2 20 % less.
 # JZERO_TEST_DEFAULT_CODEGEN=1 keeps XLA's defaults.
 FAST_CODEGEN = (
     "--xla_backend_optimization_level=1",
     "--xla_llvm_disable_expensive_passes=true",
     "--xla_gpu_disable_gpuasm_optimizations=true",
+    "--xla_cpu_parallel_codegen_split_count=1",
 )
 if not os.environ.get("JZERO_TEST_DEFAULT_CODEGEN"):
     _flags = os.environ.get("XLA_FLAGS", "").split()
@@ -50,14 +54,21 @@ jax.config.update("jax_platforms", "cpu")
 # own GPU caches stay off: a compile for GPUs that are not there keeps the options jzero
 # gives it. Those compiles are written but cannot be read back (JAX's compile-only client
 # cannot deserialize); pyproject.toml ignores JAX's warning for them, and they compile
-# again, as without the cache.
+# again, as without the cache. The processes tests start (the training scripts, the
+# multi-process runs, the examples) read and write the same cache through JAX's
+# environment variables: they compile the same steps as one another.
 _CACHE_VAR = "JZERO_TEST_COMPILATION_CACHE"
 _OWN_CACHE = _CACHE_VAR not in os.environ
 if _OWN_CACHE:
     os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="jzero-test-xla-cache-")
-jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VAR])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)
-jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+_CACHE_CONFIG = {
+    "jax_compilation_cache_dir": os.environ[_CACHE_VAR],
+    "jax_persistent_cache_min_compile_time_secs": 0.25,
+    "jax_persistent_cache_enable_xla_caches": "none",
+}
+for _name, _value in _CACHE_CONFIG.items():
+    jax.config.update(_name, _value)
+    os.environ[_name.upper()] = str(_value)  # for the processes tests start
 
 
 def pytest_unconfigure(config):
@@ -65,6 +76,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ[_CACHE_VAR], ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks and xdist the groups
 def pytest_collection_modifyitems(config, items):
     _ci_tier.mark_extended(items)
+    one_worker_per_file(items)
+
+
+def one_worker_per_file(items):
+    """Each test file's tests on one xdist worker (``--dist loadgroup``, scripts/test.sh),
+    unless a test names its group (a group several files share): a file's cached results
+    (its single-device Optax oracles, its compiled steps, its module fixtures) are then
+    computed once, where one test to a work unit computed them on both workers.
+    Measured on three files (test_explicit_mesh, test_unrolled_stage3,
+    test_distributed_failures): 435-502 s of CPU time and 232-272 s of wall time on 2
+    workers, 360 s and 210 s with each file on one."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
