@@ -79,7 +79,8 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks and xdist the groups
 def pytest_collection_modifyitems(config, items):
     _ci_tier.mark_extended(items)
-    one_worker_per_file(items)
+    if getattr(config.option, "loadgroup", False):  # --dist loadgroup (scripts/test.sh)
+        one_worker_per_file(items)
 
 
 def one_worker_per_file(items):
