@@ -18,15 +18,15 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # without its expensive passes (XLA:CPU's kernels, the GPU compiles' PTX), ptxas without
 # optimisation, and XLA:CPU's LLVM module generated in one piece (by default it is cloned
 # into up to 32 parts for threads to generate in parallel, which two workers on two cores
-# cannot use; test_hsdp.py: 95.0 -> 87.3 s of CPU time). XLA's HLO passes, and so the
-# program every test reads (its collectives, schedule and buffer assignment), are the
-# defaults' (tests/project/test_test_setup.py). The machine code is not: results differ
-# from the defaults' in rounding (the run and its oracle compile alike, so every comparison
-# is like with like). -O0 broke that likeness: equal arithmetic in two programs was no
-# longer bitwise equal (3 tests failed; by our reading, LLVM's -O0 instruction selector
-# fuses a multiply and an add into an FMA in some kernels only). Measured:
-# tests/core/test_hsdp.py takes 23 % less CPU time, an 8-H200 compile of the example GPT's
-# stage 2 20 % less.
+# cannot use; one pair of test_hsdp.py runs took 95.0 and 87.3 s of CPU time, within this
+# machine's noise). XLA's HLO passes, and so the program every test reads (its collectives,
+# schedule and buffer assignment), are the defaults' (tests/project/test_test_setup.py). The
+# machine code is not: results differ from the defaults' in rounding (the run and its oracle
+# compile alike, so every comparison is like with like). -O0 broke that likeness: equal
+# arithmetic in two programs was no longer bitwise equal (3 tests failed; by our reading,
+# LLVM's -O0 instruction selector fuses a multiply and an add into an FMA in some kernels
+# only). Measured: tests/core/test_hsdp.py takes 23 % less CPU time, an 8-H200 compile of
+# the example GPT's stage 2 20 % less.
 # JZERO_TEST_DEFAULT_CODEGEN=1 keeps XLA's defaults.
 FAST_CODEGEN = (
     "--xla_backend_optimization_level=1",
@@ -87,10 +87,11 @@ def one_worker_per_file(items):
     """Each test file's tests on one xdist worker (``--dist loadgroup``, scripts/test.sh),
     unless a test names its group (a group several files share): a file's cached results
     (its single-device Optax oracles, its compiled steps, its module fixtures) are then
-    computed once, where one test to a work unit computed them on both workers.
-    Measured on three files (test_explicit_mesh, test_unrolled_stage3,
-    test_distributed_failures): 435-502 s of CPU time and 232-272 s of wall time on 2
-    workers, 360 s and 210 s with each file on one."""
+    computed once, where one test to a work unit computed them on both workers. xdist
+    hands out the files with the most tests first. CI's tier, with the cache shared by
+    the processes tests start and XLA:CPU's codegen in one piece (above): 3,184 s before,
+    3,014 s after, on this 2-core machine (one clean-clone run each; identical runs of
+    one file here differ by up to 25 %, so the three changes are not told apart)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
