@@ -18,10 +18,6 @@ import sys
 import pytest
 from _paths import TESTS, WORKERS
 
-# One worker process for the module: with xdist, each pytest worker that ran one of these
-# tests started its own (36 s of CI's 2 cores each).
-pytestmark = pytest.mark.xdist_group("consumed_state_worker")
-
 ENTRIES = [
     "ZeroOptimizer.full_params",
     "ZeroOptimizer.full_state",

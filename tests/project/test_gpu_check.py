@@ -31,11 +31,10 @@ MACHINE = {"jax", "platform", "device_kind", "devices", "device_bytes_limit", "h
 
 
 def _on_the_dry_run(test):
-    """The dry run (13 minutes of CI's 2 cores) is one module-scoped fixture: its tests share
-    an xdist group, so one worker runs it once, not every worker that draws one of them.
-    ``extended`` (tests/_ci_tier.py): not in CI, for its time; a session lent a GPU runs it
-    first, as the check's pre-flight (``bash scripts/gpu_check.sh --dry-run``)."""
-    test = pytest.mark.xdist_group("gpu_check_dry_run")(test)
+    """The dry run (13 minutes of CI's 2 cores) is one module-scoped fixture, run once: the
+    file's tests share one xdist worker (tests/conftest.py). ``extended``
+    (tests/_ci_tier.py): not in CI, for its time; a session lent a GPU runs it first, as
+    the check's pre-flight (``bash scripts/gpu_check.sh --dry-run``)."""
     return pytest.mark.slow(pytest.mark.extended(test))
 
 

@@ -359,10 +359,6 @@ def run_main(argv):
     return out.getvalue()
 
 
-# The tests that read `runs` share an xdist group: one worker builds it once.
-_SHARES_RUNS = pytest.mark.xdist_group("train_lm_runs")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Directory with straight/{out,ckpt,stderr} (N steps, its stderr a file) and
@@ -420,7 +416,6 @@ def logged(out):
     return [re.sub(r" step_s .*", "", line) for line in lines if line.startswith(keep)]
 
 
-@_SHARES_RUNS
 def test_resumed_run_equals_the_uninterrupted_one_bitwise(runs):
     out = run_main(
         [
@@ -457,7 +452,6 @@ def test_resumed_run_equals_the_uninterrupted_one_bitwise(runs):
     assert (runs / "stopped/out/loss.png").stat().st_size > 0
 
 
-@_SHARES_RUNS
 def test_train_lm_redraws_its_bar_once_a_minute_off_a_terminal(runs):
     """With stderr a file, each redraw of the bar is a line of the log: the first, one per
     full minute at most (tqdm's mininterval), and the last; not one per step."""
@@ -473,7 +467,6 @@ def test_train_lm_redraws_its_bar_once_a_minute_off_a_terminal(runs):
 # Flipping bytes in a data file makes Orbax abandon reads whose callbacks die later with
 # "Event loop is closed" (harmless; see tests/checkpoint/test_checkpoint.py).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@_SHARES_RUNS
 def test_resume_at_another_stage_skipping_a_corrupt_checkpoint(runs):
     ckpt_dir = runs / "other/ckpt"
     # A newer checkpoint, corrupt: a copy of step N/2 with bytes flipped in its largest file.
