@@ -89,7 +89,10 @@ def gather_where_used(
     ``scans_only`` (stage 2, whose handles hold the whole parameter): only scans over
     stacked parameters, and loops that index them, take them one layer at a time, so that
     each layer's gradient is reduce-scattered inside the backward loop step that completes
-    it; everywhere else a parameter is used whole where first read, and held.
+    it; everywhere else a parameter is used whole where first read, and held. A loss with
+    none of those (a dry run of its jaxpr says so) is traced again as written, on every
+    parameter whole: JAX's own jitted functions (``jax.nn.gelu``, ``jnp.mean``) are then
+    differentiated once per shape, not equation by equation.
 
     Equal to ``fn(jzero.gather(params), *args)`` in value and gradient.
     """
@@ -109,6 +112,8 @@ def gather_where_used(
         traced, out_shape = trace(whole, params, *args, return_shape=True)
         traced = without_dead_equations(traced)
         if scans_only:
+            if not _counted(traced, params, args, scans_only=True).takes_layers:
+                return whole(params, *args)  # nothing per layer: traced again as written
             rules = _Gathering(_handles(params), scans_only=True)
             out = run(traced, jax.tree.leaves((params, args)), rules)
             return jax.tree.unflatten(jax.tree.structure(out_shape), out)
@@ -223,19 +228,24 @@ def _dry_run(traced: Any, params: Any, args: tuple) -> tuple[frozenset[int], dic
     parameters (the model has layers of its own, and the policy acts there alone); and
     whether the run gathers some parameter whole outside a use and holds it: one used
     more than once, or read by a scan, checkpoint, loop or branch."""
+    rules = _counted(traced, params, args, shared=frozenset())
+    shared = frozenset(k for k, n in rules.uses.items() if n > 1)
+    holds = bool(shared) or rules.own_layers or rules.reads_whole
+    return shared, None if rules.own_layers else dict(rules.reads), holds
+
+
+def _counted(traced: Any, params: Any, args: tuple, **options: Any) -> _Gathering:
+    """The rules (``options``) after a dry run of ``traced``, counting (nothing bound)."""
     found = []
 
     def dry(params: Any, *args: Any) -> list:
-        rules = _Gathering(_handles(params), shared=frozenset(), counting=True)
+        rules = _Gathering(_handles(params), counting=True, **options)
         found.append(rules)
         run(traced, jax.tree.leaves((params, args)), rules, before=rules.entering)
         return []  # the run's outputs are _NOT_BOUND
 
     trace(dry, params, *args)
-    rules = found[0]
-    shared = frozenset(k for k, n in rules.uses.items() if n > 1)
-    holds = bool(shared) or rules.own_layers or rules.reads_whole
-    return shared, None if rules.own_layers else dict(rules.reads), holds
+    return found[0]
 
 
 _NOT_BOUND = object()
@@ -275,6 +285,7 @@ class _Gathering(Interpreter):
         self._positions: dict[int, int] = {}  # counting: key -> handle position
         self.own_layers = False  # counting: a scan or checkpoint takes deferred parameters
         self.reads_whole = False  # counting: another equation that is no use reads one
+        self.takes_layers = False  # counting: a scan, checkpoint or index takes one deferred
         self.prefetch, self.shared, self.counting = prefetch, shared, counting
         self.policy, self.scans_only = policy, scans_only
         self.uses: collections.Counter[int] = collections.Counter()
@@ -315,7 +326,7 @@ class _Gathering(Interpreter):
         if eqn.kind is Kind.CALL:
             return run(eqn.call(), values, self)
         if self.counting and eqn.kind in (Kind.SCAN, Kind.REMAT):
-            self.own_layers = True  # the model has layers of its own (scans, checkpoints)
+            self.own_layers = self.takes_layers = True  # the model has layers of its own
             return None  # each deferred input read: one use
         if eqn.kind is Kind.SCAN:
             return _scan(eqn.scan(values), self)
@@ -367,6 +378,7 @@ class _Gathering(Interpreter):
             return None
         if i is _NOT_BOUND:  # counting: any layer stands for the one indexed
             i = 0
+        self.takes_layers = self.takes_layers or self.counting
         return self._deferred(x.layer(i), parent=x)
 
     def _gathered(self, eqn: Equation, values: list[Any]) -> Sharded | None:
