@@ -285,13 +285,21 @@ def report(train_step: Any, state: ZeroState, batch: Any) -> Report:
         ValueError: a collective sits in a loop whose trip count XLA does not know.
     """
     check_live(state)
+    compiled = train_step.lower(state, batch).compile()
+    hpz = getattr(getattr(train_step, "comm", None), "hpz", None)
+    return report_compiled(compiled, state, hpz=hpz)
+
+
+def report_compiled(compiled: Any, state: ZeroState, *, hpz: int | None = None) -> Report:
+    """:func:`report` of a step compiled already for ``state`` (a ``jax.stages.Compiled``,
+    e.g. the one :meth:`jzero.autoconfig.Choice.report` keeps from its search), with
+    ``hpz`` its ``Communication.hpz``. Compiles nothing."""
+    check_live(state)
     plan = state.plan
     n = plan.data_size
-    compiled = train_step.lower(state, batch).compile()
     peak, memory = _memory(compiled)
     text = compiled.as_text()
     colls = tuple(collectives(text))
-    hpz = getattr(getattr(train_step, "comm", None), "hpz", None)
     by_axis = _bytes_by_axis(list(colls), dict(plan.mesh.shape), hpz)
 
     itemsizes = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params)]

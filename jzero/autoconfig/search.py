@@ -50,6 +50,7 @@ from .._table import table
 from ..accounting import memory_spaces
 from ..accounting.estimate import estimate
 from ..accounting.hlo import collectives, comm_bytes, dot_flops, launches
+from ..accounting.report import Report, report_compiled
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import Plan
 from ..optimizers.zero_optimizer import ZeroOptimizer
@@ -105,10 +106,20 @@ class Choice(NamedTuple):
     smallest: Row | None  # when nothing fits: the lightest compiled candidate
     notes: tuple[str, ...] = ()  # what the search left out, and why (e.g. target=)
     larger: Row | None = None  # the chosen configuration at the next-larger micro-batch
+    chosen_step: tuple[Any, Any] | None = None  # (compiled step, abstract state): report()
 
     @property
     def chosen(self) -> Row | None:
         return next((r for r in self.rows if r.config == self.config and r.fits), None)
+
+    def report(self) -> Report:
+        """:func:`jzero.report` of the chosen configuration's step, read from the compile
+        the search made of it (for a large model on a target, minutes not spent again).
+        Raises ``ValueError`` when nothing fits."""
+        if self.chosen_step is None:
+            raise ValueError(f"nothing to report: {nothing_fits(self)}.")
+        compiled, state = self.chosen_step
+        return report_compiled(compiled, state, hpz=self.config.comm.hpz)
 
     def table(self) -> str:
         """Every candidate: memory, collective bytes, predicted time, why it was dropped."""
@@ -303,6 +314,7 @@ def autoconfigure(
         smallest=smallest,
         notes=notes,
         larger=larger,
+        chosen_step=None if chosen is None else search.kept[chosen.config],
     )
 
 
@@ -351,6 +363,7 @@ class _Search:
         self.problem, self.base, self.model = problem, base, model
         self.budget, self.host_budget = budget, host_budget
         self.rows: list[Row] = []
+        self.kept: dict[ZeroConfig, tuple[Any, Any]] = {}  # fitting rows' (compiled, state)
         self.compiled = 0
         self.dp = math.prod(
             problem.mesh.shape[a] for a in ("replica", "data") if a in problem.mesh.shape
@@ -492,6 +505,8 @@ class _Search:
             why = f"compiled peak {device / 1e6:,.2f} MB > budget"
         elif host and (self.host_budget is None or host > self.host_budget):
             why = f"host peak {host / 1e6:,.2f} MB > host budget"
+        if why is None:
+            self.kept[config] = (compiled, state)
         return Row(
             describe(config),
             config,

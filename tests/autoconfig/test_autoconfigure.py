@@ -153,6 +153,8 @@ def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_bu
     batch = regression_batches(1, 32, 64)[0]
     peak = jzero.accounting.memory_spaces.of_compiled(step.lower(state, batch).compile())
     assert peak["device"] == chosen.device_bytes <= 150e3
+    # its report, read from the search's own compile, is the built step's
+    assert choice.report() == jzero.report(step, state, batch)
     state, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
 
@@ -173,6 +175,8 @@ def test_prediction_is_the_stated_model_of_the_compiled_step():
 def test_when_nothing_fits_the_answer_is_the_smallest_budget_that_would():
     choice = _search(1e3)
     assert choice.config is None and choice.chosen is None
+    with pytest.raises(ValueError, match="nothing to report: no configuration fits"):
+        choice.report()
     smallest = choice.smallest
     assert smallest is not None and smallest.config.stage == 3
     compiled = [r.device_bytes for r in choice.rows if r.device_bytes is not None]

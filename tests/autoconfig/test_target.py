@@ -95,6 +95,10 @@ def test_a_plan_for_gpus_that_are_not_here(h100_plan):
     assert choice.chosen.collective_bytes > 0 and choice.chosen.seconds > 0
     assert any("offload not considered" in note for note in choice.notes)
     assert "offload not considered" in choice.summary()
+    report = choice.report()  # the search's compile, read again: no GPU compile here
+    assert report.stage == 2 and report.devices == 8
+    assert report.peak_bytes_by_space["device"] == choice.chosen.device_bytes
+    assert report.comm_bytes["total"] == choice.chosen.collective_bytes
 
 
 @needs_plugin
