@@ -92,6 +92,18 @@ class Row(NamedTuple):
         return self.dropped is None and self.seconds is not None
 
 
+class ChosenStep:
+    """The chosen configuration's step as the search compiled it (a
+    ``jax.stages.Compiled``) and the abstract state it takes, for :meth:`Choice.report`.
+    A pickled Choice keeps neither: an executable does not pickle."""
+
+    def __init__(self, compiled: Any, state: Any):
+        self.compiled, self.state = compiled, state
+
+    def __reduce__(self):
+        return ChosenStep, (None, None)
+
+
 class Choice(NamedTuple):
     """What :func:`autoconfigure` found: the configuration (None when nothing fits), every
     candidate, and how long the search took."""
@@ -106,7 +118,7 @@ class Choice(NamedTuple):
     smallest: Row | None  # when nothing fits: the lightest compiled candidate
     notes: tuple[str, ...] = ()  # what the search left out, and why (e.g. target=)
     larger: Row | None = None  # the chosen configuration at the next-larger micro-batch
-    chosen_step: tuple[Any, Any] | None = None  # (compiled step, abstract state): report()
+    chosen_step: ChosenStep | None = None  # the search's compile of it, for report()
 
     @property
     def chosen(self) -> Row | None:
@@ -116,10 +128,15 @@ class Choice(NamedTuple):
         """:func:`jzero.report` of the chosen configuration's step, read from the compile
         the search made of it (for a large model on a target, minutes not spent again).
         Raises ``ValueError`` when nothing fits."""
-        if self.chosen_step is None:
+        if self.config is None:
             raise ValueError(f"nothing to report: {nothing_fits(self)}.")
-        compiled, state = self.chosen_step
-        return report_compiled(compiled, state, hpz=self.config.comm.hpz)
+        if self.chosen_step is None or self.chosen_step.compiled is None:
+            raise ValueError(
+                "this Choice holds no compiled step (a pickled Choice leaves it behind): "
+                "build the step with choice.config and call jzero.report(step, state, batch)."
+            )
+        step = self.chosen_step
+        return report_compiled(step.compiled, step.state, hpz=self.config.comm.hpz)
 
     def table(self) -> str:
         """Every candidate: memory, collective bytes, predicted time, why it was dropped."""
@@ -314,7 +331,7 @@ def autoconfigure(
         smallest=smallest,
         notes=notes,
         larger=larger,
-        chosen_step=None if chosen is None else search.kept[chosen.config],
+        chosen_step=None if chosen is None else ChosenStep(*search.kept[chosen.config]),
     )
 
 

@@ -5,6 +5,7 @@ within the budget and runs), and the answer when nothing fits."""
 
 import dataclasses
 import math
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,10 @@ def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_bu
     assert peak["device"] == chosen.device_bytes <= 150e3
     # its report, read from the search's own compile, is the built step's
     assert choice.report() == jzero.report(step, state, batch)
+    pickled = pickle.loads(pickle.dumps(choice))  # all but the executable, which does not pickle
+    assert pickled.rows == choice.rows and pickled.config == choice.config
+    with pytest.raises(ValueError, match="holds no compiled step.*call jzero.report"):
+        pickled.report()
     state, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
 
