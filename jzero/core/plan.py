@@ -39,6 +39,7 @@ from .options.offload import HOST, Offload, offloaded_leaves
 from .options.precision import LossScale, Precision
 from .options.step import StepOptions
 from .options.zero_config import ZeroConfig
+from .update_layout import UpdateAxes, owner_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,12 @@ class Plan:
         opt_def, opt: the same for the Optax state.
         master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
             parameters are stored in a 16-bit dtype; None otherwise.
+        mixed: per parameter leaf, the axes its Optax update mixes (contracts, reshapes
+            together: Muon's Newton-Schulz), read from the update's jaxpr
+            (:mod:`.update_layout`); None where the update could not be read.
+        owner_layouts: per parameter leaf, the layout its update runs in where that is not its
+            stored one (a mixing leaf, along an axis its update leaves alone: its Optax
+            state and master weights rest there); None for the others. Empty: none.
     """
 
     mesh: Mesh
@@ -99,6 +106,15 @@ class Plan:
     opt_def: Any
     opt: tuple[Stored, ...]
     master: tuple[Stored, ...] | None
+    mixed: tuple[frozenset[int], ...] | None = None
+    owner_layouts: tuple[LeafLayout | None, ...] = ()
+
+    @property
+    def update_layouts(self) -> tuple[LeafLayout, ...]:
+        """Per parameter leaf, the layout its update runs in: its owner layout where it has
+        one (:attr:`owner_layouts`), else its stored layout."""
+        owners = self.owner_layouts or (None,) * len(self.params)
+        return tuple(o or s.layout for o, s in zip(owners, self.params))
 
     @property
     def stage(self) -> int:
@@ -235,18 +251,36 @@ class Plan:
         paths = [jax.tree_util.keystr(k) for k, _ in _paths(self.params_def)]
         offloaded = self.config.offload.optimizer is not None or self.offloads_params
         kind = lambda stored: stored.memory_kind or "device"
-        head = ("leaf", "shape", "shard dim", "stored", "pad", "spec")
+        head = ("leaf", "shape", "shard dim", "stored", "pad", "spec", "update")
         extra = ("memory", "master memory") if self.master else ("memory",)
         rows = [head + extra if offloaded else head]
         for i, (path, lay) in enumerate(zip(paths, self.layouts)):
             dim = "-" if lay.dim is None else str(lay.dim)
             row = (path, str(lay.shape), dim, str(lay.padded), str(lay.pad), str(lay.spec))
+            row += (self._update_column(i),)
             kinds = (kind(self.params[i]),) + ((kind(self.master[i]),) if self.master else ())
             rows.append(row + kinds if offloaded else row)
         if not offloaded:
             return table(rows)
         opt_kinds = sorted({kind(s) for s in self.opt})
         return f"{table(rows)}\noptimizer state in {', '.join(opt_kinds) or '-'}"
+
+    def _update_column(self, i: int) -> str:
+        """How leaf ``i`` is updated: elementwise ('-'), on whole matrices along an owner
+        axis ('whole 1,2 by dim 0'), or mixing the axis it is split along ('mixes 0,1:
+        split'); '?' where the update could not be read."""
+        if self.mixed is None:
+            return "?"
+        axes = ",".join(str(d) for d in sorted(self.mixed[i]))
+        if not axes:
+            return "-"
+        owner = self.owner_layouts[i] if self.owner_layouts else None
+        if owner is not None:
+            return f"whole {axes} by dim {owner.dim}"
+        lay = self.params[i].layout
+        return (
+            f"mixes {axes}: split" if lay.sharded and lay.dim in self.mixed[i] else f"mixes {axes}"
+        )
 
 
 def _named(mesh: Mesh, stored: Stored | P) -> NamedSharding:
@@ -268,6 +302,7 @@ def make_plan(
     opt_state: Any,
     user_specs: Any,
     owners: list[int] | None = None,
+    axes: UpdateAxes | None = None,
 ) -> Plan:
     """Lays out ``params`` and ``opt_state`` (``jax.ShapeDtypeStruct`` trees) for ``config``.
 
@@ -281,7 +316,10 @@ def make_plan(
     ``param_dtype``; with a 16-bit one the fp32 master weights are laid out like the
     optimizer state. With ``offload.optimizer`` the optimizer state and master weights are
     stored in host memory (memory kind ``HOST``), those of ``offload.ratio``'s share of the
-    parameter leaves; the parameters stay on the device.
+    parameter leaves; the parameters stay on the device. ``axes`` (per parameter leaf,
+    the axes its update mixes, :func:`.update_layout.update_axes`) gives a mixing leaf its
+    owner layout (:func:`.update_layout.owner_layout`) for its Optax state and master
+    weights, from stage 1 and with the optimizer on the device.
     """
     stage, offload = config.stage, config.offload
     n = 1 if stage == 0 else mesh.shape[DATA]
@@ -296,6 +334,11 @@ def make_plan(
     o_leaves, o_def = jax.tree.flatten(opt_state)
     specs = _opt_specs(p_lays, [tuple(int(s) for s in x.shape) for x in o_leaves], owners)
     o_lays = [rule(x, spec) for x, spec in zip(o_leaves, specs)]
+    on_device = offload.optimizer is None and not offload.params
+    mixed = None if axes is None else axes.mixed
+    relay = mixed is not None and stage >= 1 and n > 1 and on_device
+    owned = [owner_layout(lay, m, n) if relay else None for lay, m in zip(p_lays, mixed or ())]
+    o_lays = _owned(o_lays, owned, axes.owners if axes else None)
 
     param_dtype = np.dtype(config.precision.param_dtype)
     floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
@@ -310,16 +353,28 @@ def make_plan(
         Stored(lay, stage >= 1, dtype_of(x), k) for lay, x, k in zip(o_lays, o_leaves, o_kinds)
     )
     master = None
+    m_lays = [o or lay for o, lay in zip(owned, p_lays)] if owned else p_lays
     if config.precision.mixed:
         master = tuple(
             Stored(lay, stage >= 1, np.dtype(np.float32) if floating(x) else dtype_of(x), kind(i))
-            for i, (lay, x) in enumerate(zip(p_lays, p_leaves))
+            for i, (lay, x) in enumerate(zip(m_lays, p_leaves))
         )
     # The layout is recorded in the leaves (each Stored's spec), however it was spelled;
     # each step brings its own options.
     laid_out = dataclasses.replace(config, layout=Layout(), step=StepOptions())
-    plan = Plan(mesh, laid_out, p_def, params_stored, o_def, opt_stored, master)
+    plan = Plan(
+        mesh, laid_out, p_def, params_stored, o_def, opt_stored, master, mixed, tuple(owned)
+    )
     return params_offloaded(plan) if offload.params else plan
+
+
+def _owned(o_lays: list, owned: list, owners: list[int] | None) -> list:
+    """The optimizer-state layouts with each leaf of a parameter that has an owner layout
+    (and of its shape) in that layout."""
+    if not any(owned) or owners is None:
+        return o_lays
+    take = lambda k, lay: owned[k] if k >= 0 and owned[k] and owned[k].shape == lay.shape else lay
+    return [take(k, lay) for k, lay in zip(owners, o_lays)]
 
 
 def is_key(x: Any) -> bool:

@@ -18,6 +18,7 @@ from .input_checks import check_complex, check_leaves
 from .options.zero_config import ZeroConfig
 from .param_specs import user_specs
 from .plan import Plan, make_plan, param_owners
+from .update_layout import update_axes
 
 
 def plan_for(tx: optax.GradientTransformation, mesh: Mesh, config: ZeroConfig, params: Any) -> Plan:
@@ -29,6 +30,8 @@ def plan_for(tx: optax.GradientTransformation, mesh: Mesh, config: ZeroConfig, p
     check_complex(shapes, opt_state, config)
     specs = user_specs(shapes, mesh, config.layout.param_specs, config.layout.rules)
     owners = param_owners(tx, jax.tree.structure(shapes), opt_state)
+    fp32 = config.precision.cast(shapes, "float32")
+    axes = update_axes(tx, fp32, opt_state, owners)
     return make_plan(
         mesh=mesh,
         config=config,
@@ -36,4 +39,5 @@ def plan_for(tx: optax.GradientTransformation, mesh: Mesh, config: ZeroConfig, p
         opt_state=opt_state,
         user_specs=specs,
         owners=owners,
+        axes=axes,
     )

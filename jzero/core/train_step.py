@@ -39,7 +39,7 @@ from .options.zero_config import ZeroConfig
 from .plan import Pending, Plan, ZeroState
 from .step_count import StepCount
 from .stored_form import constrain, store, to_device, to_host, typed_state
-from .updaters import Updater, make_updater
+from .updaters import Updater, make_updater, off_owners
 from .weighted import CountWatch, Weighted, check_delayable, counted, divisor, skip_uncounted
 
 Metrics = dict[str, Any]
@@ -315,21 +315,25 @@ def _update(update: Updater, state: ZeroState, grads: Gradients, finite) -> Zero
     params, opt_state, master = update(plan, grads, state.opt_state, weights, finite)
     if plan.config.partitions_opt_state and not plan.config.partitions_params:
         params = _all_gather_params(plan, params, state.params)
+    elif plan.config.partitions_params:
+        params = off_owners(plan, params)
     params = constrain(plan, store(params, plan.params), plan.params)
     return state.replace(params=params, opt_state=opt_state, master=master)
 
 
 def _all_gather_params(plan: Plan, params: Any, old: Any) -> Any:
-    """Stages 1/2: updated shards -> full replicated parameters, by explicit all-gather."""
+    """Stages 1/2: updated shards -> full replicated parameters, by explicit all-gather
+    (a mixing leaf's from its owner layout, :attr:`Plan.update_layouts`)."""
+    layouts = plan.update_layouts
     shards = [
         jax.lax.with_sharding_constraint(pad(p, lay), plan.compute_sharding(lay.spec))
-        for p, lay in zip(jax.tree.leaves(params), plan.layouts)
+        for p, lay in zip(jax.tree.leaves(params), layouts)
     ]
     gather_fn = jax.shard_map(
-        lambda ps, olds: [_gathered(p, lay, o) for p, lay, o in zip(ps, plan.layouts, olds)],
+        lambda ps, olds: [_gathered(p, lay, o) for p, lay, o in zip(ps, layouts, olds)],
         mesh=plan.compute_mesh,
-        in_specs=([lay.data_spec() for lay in plan.layouts], [P()] * len(plan.layouts)),
-        out_specs=[P()] * len(plan.layouts),
+        in_specs=([lay.data_spec() for lay in layouts], [P()] * len(layouts)),
+        out_specs=[P()] * len(layouts),
         axis_names=set(plan.manual_axes),
         check_vma=False,  # all_gather's result is replicated; vma cannot infer that
     )

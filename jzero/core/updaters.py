@@ -7,8 +7,9 @@
 - ``host``: the update runs on the host (:func:`.offload.host_step.host_update`).
 
 :func:`make_updater` picks one from the configuration when the step is built; the step
-calls it once per step. Each returns the new parameters (true shapes, on the device), the
-stored Optax state and the stored master weights (None without).
+calls it once per step. Each returns the new parameters (true shapes, on the device, in
+:attr:`Plan.update_layouts`: a mixing leaf's along its owner axis, :mod:`.update_layout`),
+the stored Optax state and the stored master weights (None without).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import jax
 import optax
 
 from .grad_reduction import Gradients
+from .leaf_layout import LeafLayout
 from .offload.host_step import host_update
 from .offload.update import offloaded_update
 from .options.precision import Precision
 from .options.zero_config import ZeroConfig
-from .plan import Plan
+from .plan import Plan, Stored
 from .stored_form import constrain, store, to_device, view
 from .update_inputs import UpdateInputs, keep_if_finite
+from .update_layout import relaid_tree
 
 
 class UpdateFn(Protocol):
@@ -74,13 +77,45 @@ def make_updater(tx: optax.GradientTransformation, config: ZeroConfig) -> Update
     return Updater("device", device_update, tx, precision)
 
 
+def _held(s: Stored) -> LeafLayout:
+    """The layout a stored leaf is held in on the device: its own where partitioned, else
+    whole (replicated over ``data``)."""
+    lay = s.layout
+    return (
+        lay
+        if s.partitioned
+        else LeafLayout(lay.shape, None, lay.shape, lay.user_spec, lay.user_spec)
+    )
+
+
+def onto_owners(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
+    """``tree`` (true shapes, held as ``stored`` says) in the layouts the update runs in
+    (:attr:`Plan.update_layouts`): a mixing leaf's along its owner axis, by one all-to-all
+    from its shards or a local slice of a whole one; every other leaf as it is."""
+    if not any(plan.owner_layouts):
+        return tree
+    src = [_held(s) if o else s.layout for s, o in zip(stored, plan.owner_layouts)]
+    return relaid_tree(tree, src, plan.update_layouts, plan.compute_mesh, plan.manual_axes)
+
+
+def off_owners(plan: Plan, tree: Any) -> Any:
+    """Stage 3's updated parameters (true shapes, in :attr:`Plan.update_layouts`) back in
+    their stored layouts: one all-to-all per mixing leaf."""
+    if not any(plan.owner_layouts):
+        return tree
+    dst = [s.layout for s in plan.params]
+    return relaid_tree(tree, plan.update_layouts, dst, plan.compute_mesh, plan.manual_axes)
+
+
 def device_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
     """The Optax update with the state on the device (:class:`UpdateFn`)."""
     tx, precision, plan, grads, opt_state, weights, finite = step
     stored = plan.master if plan.master is not None else plan.params
     old = view(to_device(plan, weights, stored), stored)
     old_state = view(opt_state, plan.opt)
-    updates, opt_state = tx.update(grads.averaged, old_state, old)
+    averaged = onto_owners(plan, grads.averaged, plan.opt_like)
+    old = onto_owners(plan, old, stored)
+    updates, opt_state = tx.update(averaged, old_state, old)
     master = optax.apply_updates(old, updates)
     master = keep_if_finite(finite, master, old)  # the old values where the step is skipped
     opt_state = keep_if_finite(finite, opt_state, old_state)
