@@ -39,7 +39,7 @@ from .options.offload import HOST, Offload, offloaded_leaves
 from .options.precision import LossScale, Precision
 from .options.step import StepOptions
 from .options.zero_config import ZeroConfig
-from .update_layout import UpdateAxes, owner_layout
+from .update_layout import MatrixUpdate, UpdateAxes, matrix_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +91,9 @@ class Plan:
         opt_def, opt: the same for the Optax state.
         master: per parameter leaf, the fp32 master weights' :class:`Stored` when the
             parameters are stored in a 16-bit dtype; None otherwise.
-        mixed: per parameter leaf, the axes its Optax update mixes (contracts, reshapes
-            together: Muon's Newton-Schulz), read from the update's jaxpr
-            (:mod:`.update_layout`); None where the update could not be read.
-        owner_layouts: per parameter leaf, the layout its update runs in where that is not its
-            stored one (a mixing leaf, along an axis its update leaves alone: its Optax
-            state and master weights rest there); None for the others. Empty: none.
+        matrices: which axes the Optax update mixes per leaf (Muon's Newton-Schulz), read
+            from its jaxpr, and where such leaves are updated on whole matrices
+            (:class:`.update_layout.MatrixUpdate`); None where the update could not be read.
     """
 
     mesh: Mesh
@@ -106,15 +103,18 @@ class Plan:
     opt_def: Any
     opt: tuple[Stored, ...]
     master: tuple[Stored, ...] | None
-    mixed: tuple[frozenset[int], ...] | None = None
-    owner_layouts: tuple[LeafLayout | None, ...] = ()
+    matrices: MatrixUpdate | None = None
+
+    @property
+    def owner_layouts(self) -> tuple[LeafLayout | None, ...]:
+        """Per parameter leaf, its owner layout (:attr:`matrices`), or None."""
+        return self.matrices.layouts if self.matrices else (None,) * len(self.params)
 
     @property
     def update_layouts(self) -> tuple[LeafLayout, ...]:
         """Per parameter leaf, the layout its update runs in: its owner layout where it has
-        one (:attr:`owner_layouts`), else its stored layout."""
-        owners = self.owner_layouts or (None,) * len(self.params)
-        return tuple(o or s.layout for o, s in zip(owners, self.params))
+        one, else its stored layout."""
+        return tuple(o or s.layout for o, s in zip(self.owner_layouts, self.params))
 
     @property
     def stage(self) -> int:
@@ -267,20 +267,20 @@ class Plan:
 
     def _update_column(self, i: int) -> str:
         """How leaf ``i`` is updated: elementwise ('-'), on whole matrices along an owner
-        axis ('whole 1,2 by dim 0'), or mixing the axis it is split along ('mixes 0,1:
-        split'); '?' where the update could not be read."""
-        if self.mixed is None:
+        axis ('whole 1,2 by dim 0') or in a stack of its shape ('whole 0,1 in stack 0 (8
+        leaves)'), or mixing axes it is not split along ('mixes 0,1'); '?' where the
+        update could not be read."""
+        if self.matrices is None:
             return "?"
-        axes = ",".join(str(d) for d in sorted(self.mixed[i]))
+        axes = ",".join(str(d) for d in sorted(self.matrices.mixed[i]))
         if not axes:
             return "-"
-        owner = self.owner_layouts[i] if self.owner_layouts else None
+        owner, stack = self.matrices.layouts[i], self.matrices.stacks[i]
         if owner is not None:
             return f"whole {axes} by dim {owner.dim}"
-        lay = self.params[i].layout
-        return (
-            f"mixes {axes}: split" if lay.sharded and lay.dim in self.mixed[i] else f"mixes {axes}"
-        )
+        if stack is not None:
+            return f"whole {axes} in stack {stack} ({self.matrices.stacks.count(stack)} leaves)"
+        return f"mixes {axes}"
 
 
 def _named(mesh: Mesh, stored: Stored | P) -> NamedSharding:
@@ -335,9 +335,8 @@ def make_plan(
     specs = _opt_specs(p_lays, [tuple(int(s) for s in x.shape) for x in o_leaves], owners)
     o_lays = [rule(x, spec) for x, spec in zip(o_leaves, specs)]
     on_device = offload.optimizer is None and not offload.params
-    mixed = None if axes is None else axes.mixed
-    relay = mixed is not None and stage >= 1 and n > 1 and on_device
-    owned = [owner_layout(lay, m, n) if relay else None for lay, m in zip(p_lays, mixed or ())]
+    matrices = axes and matrix_update(axes, p_lays, n, stage >= 1 and n > 1 and on_device)
+    owned = list(matrices.layouts) if matrices else [None] * len(p_lays)
     o_lays = _owned(o_lays, owned, axes.owners if axes else None)
 
     param_dtype = np.dtype(config.precision.param_dtype)
@@ -353,7 +352,7 @@ def make_plan(
         Stored(lay, stage >= 1, dtype_of(x), k) for lay, x, k in zip(o_lays, o_leaves, o_kinds)
     )
     master = None
-    m_lays = [o or lay for o, lay in zip(owned, p_lays)] if owned else p_lays
+    m_lays = [o or lay for o, lay in zip(owned, p_lays)]
     if config.precision.mixed:
         master = tuple(
             Stored(lay, stage >= 1, np.dtype(np.float32) if floating(x) else dtype_of(x), kind(i))
@@ -362,9 +361,7 @@ def make_plan(
     # The layout is recorded in the leaves (each Stored's spec), however it was spelled;
     # each step brings its own options.
     laid_out = dataclasses.replace(config, layout=Layout(), step=StepOptions())
-    plan = Plan(
-        mesh, laid_out, p_def, params_stored, o_def, opt_stored, master, mixed, tuple(owned)
-    )
+    plan = Plan(mesh, laid_out, p_def, params_stored, o_def, opt_stored, master, matrices)
     return params_offloaded(plan) if offload.params else plan
 
 

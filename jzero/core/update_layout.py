@@ -19,6 +19,7 @@ are still updated exactly, split by the compiler, and :meth:`Plan.describe` says
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -74,6 +75,47 @@ def _holder(labels: tuple, leaves: list) -> int:
         if len(x.shape) == len(labels) and all((i, d) in labels[d] for d in range(len(labels)))
     ]
     return holders[0] if len(holders) == 1 else -1
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixUpdate:
+    """How a run's update treats each leaf's axes (static; :attr:`Plan.matrices`).
+
+    Attributes:
+        mixed: per parameter leaf, the axes its Optax update mixes.
+        state_owners: per Optax-state leaf, the parameter leaf it belongs to, or -1.
+        layouts: per parameter leaf, its owner layout (:func:`owner_layout`): the layout
+            its update runs in and its state and master weights rest in; None for others.
+        stacks: per parameter leaf, the stack of same-shaped mixing leaves it is updated
+            in (:mod:`jzero.internal.leaf_batching`), numbered; None for others.
+    """
+
+    mixed: tuple[frozenset[int], ...]
+    state_owners: tuple[int, ...]
+    layouts: tuple[LeafLayout | None, ...]
+    stacks: tuple[int | None, ...]
+
+    def stack_groups(self) -> list[list[int]]:
+        """The parameter leaves of each stack, in order."""
+        groups: dict[int, list[int]] = {}
+        for i, b in enumerate(self.stacks):
+            if b is not None:
+                groups.setdefault(b, []).append(i)
+        return [groups[b] for b in sorted(groups)]
+
+
+def matrix_update(axes: UpdateAxes, layouts: list[LeafLayout], n: int, on: bool) -> MatrixUpdate:
+    """Where each mixing leaf's update runs, for parameter ``layouts`` on a ``data`` axis
+    of ``n`` (``on``: ZeRO partitions the optimizer state and it stays on the device):
+    along its owner axis where it has one, else in a stack of the leaves of its shape and
+    dtype whose stored axis it mixes."""
+    owned = [owner_layout(lay, m, n) if on else None for lay, m in zip(layouts, axes.mixed)]
+    stacks: list[int | None] = []
+    shapes: dict[tuple, int] = {}
+    for lay, m, o in zip(layouts, axes.mixed, owned):
+        split = on and o is None and lay.sharded and lay.dim in m
+        stacks.append(shapes.setdefault(lay.shape, len(shapes)) if split else None)
+    return MatrixUpdate(axes.mixed, axes.owners, tuple(owned), tuple(stacks))
 
 
 def owner_layout(lay: LeafLayout, mixed: frozenset[int], n: int) -> LeafLayout | None:

@@ -27,6 +27,7 @@ from .offload.update import offloaded_update
 from .options.precision import Precision
 from .options.zero_config import ZeroConfig
 from .plan import Plan, Stored
+from .stacked_update import stacked
 from .stored_form import constrain, store, to_device, view
 from .update_inputs import UpdateInputs, keep_if_finite
 from .update_layout import relaid_tree
@@ -115,7 +116,7 @@ def device_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
     old_state = view(opt_state, plan.opt)
     averaged = onto_owners(plan, grads.averaged, plan.opt_like)
     old = onto_owners(plan, old, stored)
-    updates, opt_state = tx.update(averaged, old_state, old)
+    updates, opt_state = stacked(plan, tx)(averaged, old_state, old)
     master = optax.apply_updates(old, updates)
     master = keep_if_finite(finite, master, old)  # the old values where the step is skipped
     opt_state = keep_if_finite(finite, opt_state, old_state)
