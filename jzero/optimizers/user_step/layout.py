@@ -26,6 +26,8 @@ class UserLayout(NamedTuple):
     shards: Any  # shaped like the params: along 'data' where a dimension divides its size
     state: Any  # shaped like the Optax state: along 'data' at stages 1-3
     master: Any  # shaped like the params: the fp32 master weights'; None without them
+    update: Any  # shaped like the params: where the update runs (a mixing leaf's owner axis)
+    plan: Plan  # the plan the specs come from
 
 
 def _true(stored: Stored, partitioned: bool, n: int) -> P:
@@ -56,4 +58,8 @@ def user_layout(plan: Plan) -> UserLayout:
     master = plan.master and tree(
         plan.params_def, (_true(s, s.partitioned, n) for s in plan.master)
     )
-    return UserLayout(params, shards, state, master)
+    owners = [
+        shard if o is None else o.spec
+        for shard, o in zip(jax.tree.leaves(shards), plan.owner_layouts)
+    ]
+    return UserLayout(params, shards, state, master, tree(plan.params_def, owners), plan)

@@ -43,16 +43,28 @@ def _local_shard(x: jax.Array, src: P, dst: P, dim: int, mesh: Mesh) -> jax.Arra
     return jax.shard_map(body, mesh=mesh, in_specs=src, out_specs=dst)(x)
 
 
+def _all_to_all(x: jax.Array, src: P, dst: P, dims: tuple[int, int], mesh: Mesh) -> jax.Array:
+    """Sharded along one dimension -> along another (a mixing leaf's owner layout and
+    back): each device sends each other device the block it will hold."""
+    body = lambda s: jax.lax.all_to_all(
+        s, DATA, split_axis=dims[1], concat_axis=dims[0], tiled=True
+    )
+    return jax.shard_map(body, mesh=mesh, in_specs=src, out_specs=dst, check_vma=False)(x)
+
+
 def _move(x: jax.Array, src: P, dst: P, mesh: Mesh) -> jax.Array:
     gather_dim, slice_dim = _data_dim(src), _data_dim(dst)
     if gather_dim == slice_dim:
         return x
     if slice_dim is None:
         return _gather(x, src, dst, gather_dim, mesh)
-    return _local_shard(x, src, dst, slice_dim, mesh)
+    if gather_dim is None:
+        return _local_shard(x, src, dst, slice_dim, mesh)
+    return _all_to_all(x, src, dst, (gather_dim, slice_dim), mesh)
 
 
 def reshard(tree: Any, src: Any, dst: Any, mesh: Mesh) -> Any:
     """``tree`` (laid out as the spec tree ``src``) laid out as ``dst``: each leaf gathered
-    over ``data`` or sliced to its shard, where the two specs differ in ``data`` alone."""
+    over ``data``, sliced to its shard, or moved by all-to-all from one sharded dimension to
+    another, where the two specs differ in ``data`` alone."""
     return jax.tree.map(lambda x, s, d: _move(x, s, d, mesh), tree, src, dst)

@@ -27,6 +27,7 @@ from ...core.axis_types import compute_mesh, on_compute_mesh, typed
 from ...core.gpu_target.compile_only import check_runnable
 from ...core.input_checks import check_leaves
 from ...core.options.zero_config import ZeroConfig, zero_config
+from ...core.stacked_update import stacked
 from ...internal.optax_private import is_params_placeholder
 from ..zero_optimizer import ZeroOptimizer
 from .layout import UserLayout, user_layout
@@ -152,23 +153,31 @@ class _ShardedTransformation:
         the updates back in the parameters' layout."""
         lay, twin = self.layout(grads), self.twin
         # The compiler reduce-scatters the gradients onto the shards (stages 1-3; as they
-        # are at stage 0): sliced from whole ones, they would be all-reduced first.
-        grads = self._on_twin(grads, lay.shards)
-        shards = None if params is None else reshard(params, lay.params, lay.shards, twin)
+        # are at stage 0): sliced from whole ones, they would be all-reduced first. A
+        # mixing leaf's go straight to its owner layout (lay.update).
+        grads = self._on_twin(grads, lay.update)
+        shards = None if params is None else reshard(params, lay.params, lay.update, twin)
         if self.mixed:
             return self._master_update(grads, state, params, shards, extra)
-        updates, state = self.tx.update(grads, state, shards, **extra)
-        updates = reshard(self._on_twin(updates, lay.shards), lay.shards, lay.params, twin)
+        updates, state = self._tx_update(lay, extra)(grads, state, shards)
+        updates = reshard(self._on_twin(updates, lay.update), lay.update, lay.params, twin)
         return updates, self._on_twin(state, lay.state)
+
+    def _tx_update(self, lay: UserLayout, extra: dict[str, Any]) -> Any:
+        """The wrapped update, with the plan's stacks of mixing leaves batched
+        (:func:`jzero.core.stacked_update.stacked`; only without extra arguments)."""
+        if extra:
+            return lambda g, s, p: self.tx.update(g, s, p, **extra)
+        return stacked(lay.plan, self.tx, jax.tree.leaves(lay.update))
 
     def _master_update(self, grads, state, params, shards, extra):
         """The update of the fp32 master; updates that move ``params`` to its rounding."""
         lay = self.layout(grads)
         inner, master = state
-        steps, inner = self.tx.update(jax.tree.map(_fp32, grads), inner, master, **extra)
+        steps, inner = self._tx_update(lay, extra)(jax.tree.map(_fp32, grads), inner, master)
         master = self._on_twin(optax.apply_updates(master, steps), lay.master)
         rounded = jax.tree.map(lambda m, p: m.astype(p.dtype), master, shards)
-        rounded = reshard(self._on_twin(rounded, lay.shards), lay.shards, lay.params, self.twin)
+        rounded = reshard(self._on_twin(rounded, lay.update), lay.update, lay.params, self.twin)
         state = MasterWeightsState(self._on_twin(inner, lay.state), master)
         return jax.tree.map(_exact_step, rounded, params), state
 
