@@ -144,7 +144,7 @@ def test_plan_describe_reports_every_leaf():
     opt = jzero.ZeroOptimizer(optax.adam(1e-2), jzero.data_mesh(), stage=3)
     text = opt.plan(awkward_params()).describe()
     rows = text.splitlines()
-    assert rows[0].split() == ["leaf", "shape", "shard", "dim", "stored", "pad", "spec"]
+    assert rows[0].split() == ["leaf", "shape", "shard", "dim", "stored", "pad", "spec", "update"]
     assert len(rows) == 1 + len(awkward_params())
     w1 = next(r for r in rows if r.startswith("['w1']"))
     assert "(13, 7)" in w1 and "(13, 8)" in w1 and "P(None, 'data')" in w1  # padded 7 -> 8
