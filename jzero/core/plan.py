@@ -336,6 +336,8 @@ def make_plan(
     o_lays = [rule(x, spec) for x, spec in zip(o_leaves, specs)]
     on_device = offload.optimizer is None and not offload.params
     matrices = axes and matrix_update(axes, p_lays, n, stage >= 1 and n > 1 and on_device)
+    if matrices and not on_device and stage >= 1:
+        _warn_split(matrices, p_lays, offload)
     owned = list(matrices.layouts) if matrices else [None] * len(p_lays)
     o_lays = _owned(o_lays, owned, axes.owners if axes else None)
 
@@ -363,6 +365,21 @@ def make_plan(
     laid_out = dataclasses.replace(config, layout=Layout(), step=StepOptions())
     plan = Plan(mesh, laid_out, p_def, params_stored, o_def, opt_stored, master, matrices)
     return params_offloaded(plan) if offload.params else plan
+
+
+def _warn_split(matrices: MatrixUpdate, p_lays: list[LeafLayout], offload: Offload) -> None:
+    """An offloaded optimizer updates where its state rests: a matrix optimizer's leaves
+    are then updated split along their stored axis, as XLA partitions them (said once)."""
+    split = [lay for lay, m in zip(p_lays, matrices.mixed) if lay.sharded and lay.dim in m]
+    if split:
+        warnings.warn(
+            f"{offload} updates the optimizer state where it rests, so {len(split)} leaves "
+            "whose update mixes the axis they are sharded along (a matrix optimizer such as "
+            "Muon) are updated split along it, not on whole matrices: the compiler adds "
+            "collectives inside the update (Muon: several times AdamW's bytes). jzero.report "
+            "shows them; drop the offload to update them whole.",
+            stacklevel=5,
+        )
 
 
 def _owned(o_lays: list, owned: list, owners: list[int] | None) -> list:

@@ -121,3 +121,66 @@ def test_muon_moves_zero_bytes_and_its_share_of_the_flops(api, scanned, stage):
     one = jax.jit(muon.update).lower(params, muon.init(params), params).compile().as_text()
     share = (dot_flops(one)) / jax.device_count()
     assert dot_flops(got) - dot_flops(base) <= 1.25 * share
+
+
+def test_offload_says_the_matrices_are_updated_split():
+    opt = jzero.ZeroOptimizer(
+        OPTIMIZERS["muon"][0](), jzero.data_mesh(), stage=2, offload=jzero.Offload(optimizer="host")
+    )
+    with pytest.warns(UserWarning, match="16 leaves whose update mixes"):
+        plan = opt.plan(unrolled_params())
+    assert not any(s is not None for s in plan.matrices.stacks)
+    assert "mixes 0,1" in plan.describe()
+
+
+def _run(name: str, steps: int = 2, grad_accum: int = 1, **config):
+    make, scanned = OPTIMIZERS[name]
+    params, loss = model(scanned)
+    opt = jzero.ZeroOptimizer(make(), jzero.data_mesh(), **config)
+    state, step = opt.init(params), opt.train_step(loss, grad_accum=grad_accum)
+    for batch in batches(steps):
+        state, _ = step(state, batch)
+    return opt, state
+
+
+@pytest.mark.parametrize("name", ["muon", "muon_scanned"])
+def test_hpz_and_gradient_accumulation_keep_optax_numbers(name):
+    """hpZ gathers and micro-batches change how the gradient is formed, not the update on
+    whole matrices: the same parameters as plain data parallelism (stage 0, no stacks)."""
+    opt0, s0 = _run(name, stage=0)
+    for config in ({"stage": 3, "comm": jzero.Communication(hpz=2)}, {"stage": 2}):
+        opt, state = _run(name, grad_accum=2 if config["stage"] == 2 else 1, **config)
+        got, want = opt.full_params(state), opt0.full_params(s0)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["muon", "muon_scanned"])
+def test_bf16_with_fp32_master_weights(name):
+    """The fp32 master weights (in the owner layout, or stacked for the update) match
+    stage 0's to fp32 rounding; the bf16 parameters to one bf16 rounding of them."""
+    bf16 = jzero.Precision(param_dtype=jax.numpy.bfloat16, dynamic_loss_scale=True)
+    opt0, s0 = _run(name, stage=0, precision=bf16)
+    opt, state = _run(name, stage=3, precision=bf16)
+    want, got = opt0.full_state(s0), opt.full_state(state)
+    for g, w in zip(jax.tree.leaves(got.master), jax.tree.leaves(want.master)):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["muon", "muon_scanned"])
+def test_checkpoint_at_stage_1_on_8_restores_at_stage_3_on_4(tmp_path, name):
+    from jzero.checkpoint import Checkpointer
+
+    opt, state = _run(name, stage=1)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+    make, scanned = OPTIMIZERS[name]
+    on_4 = jzero.ZeroOptimizer(make(), jzero.data_mesh(jax.devices()[:4]), stage=3)
+    restored = Checkpointer(tmp_path).restore(on_4, model(scanned)[0]).state
+    want, got = opt.full_state(state), on_4.full_state(restored)
+    for g, w in zip(
+        jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves((want.params, want.opt_state))
+    ):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
