@@ -42,6 +42,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     dtype: Any = jnp.float32
     tied_head: bool = True  # output head = token embedding transposed
+    unrolled: bool = False  # blocks as n_layers modules in a Python loop, not one nn.scan
     gather_mesh: Any = None  # jzero.gather(..., mesh=): stage 3 in your own jit step
 
 
@@ -111,14 +112,17 @@ class GPT(nn.Module):
         pos_TxD = gathered(Table, self)(cfg.seq_len, cfg.d_model, name="pos_embed")()[:T]
         x_BxTxD = (jnp.take(tok_VxD, tokens_BxT, axis=0) + pos_TxD).astype(cfg.dtype)
 
-        # gather inside remat (backward gathers again), remat inside scan (one layer at a time)
-        Blocks = nn.scan(
-            nn.remat(gathered(Block, self)),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=cfg.n_layers,
-        )
-        x_BxTxD, _ = Blocks(cfg, name="blocks")(x_BxTxD, None)
+        if cfg.unrolled:  # each block its own parameters (2-D kernels), gathered in remat
+            for i in range(cfg.n_layers):
+                x_BxTxD, _ = nn.remat(gathered(Block, self))(cfg, name=f"block_{i}")(x_BxTxD)
+        else:  # gather inside remat (backward gathers again), remat inside scan (a layer at a time)
+            Blocks = nn.scan(
+                nn.remat(gathered(Block, self)),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.n_layers,
+            )
+            x_BxTxD, _ = Blocks(cfg, name="blocks")(x_BxTxD, None)
 
         x_BxTxD = gathered(nn.LayerNorm, self)(dtype=cfg.dtype, name="ln_final")(x_BxTxD)
         if cfg.tied_head:
@@ -151,6 +155,32 @@ def make_loss_fn(cfg: GPTConfig):
         return jnp.mean(losses_BxT)
 
     return loss_fn
+
+
+def muon(
+    params: Any, learning_rate: float = 0.02, *, adam_learning_rate: float = 3e-4,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformation:  # fmt: skip
+    """Muon as its authors train GPTs: Newton-Schulz on the blocks' weight matrices (the
+    scanned blocks' kernels with their leading layer axis as a batch axis), AdamW on the
+    embeddings, the head, biases and LayerNorms (Jordan et al. 2024; Liu et al. 2025)."""
+    stack = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    matrix = optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+
+    def dims(path: tuple, x: Any) -> Any:
+        names = [str(getattr(k, "key", k)) for k in path]
+        in_block = names[0] == "blocks" or names[0].startswith("block_")
+        if not in_block or names[-1] != "kernel":
+            return None
+        return stack if x.ndim == 3 else matrix
+
+    return optax.contrib.muon(
+        learning_rate,
+        adam_learning_rate=adam_learning_rate,
+        weight_decay=weight_decay,
+        adam_weight_decay=weight_decay,
+        muon_weight_dimension_numbers=jax.tree_util.tree_map_with_path(dims, params),
+    )
 
 
 def count_params(params: Any) -> int:

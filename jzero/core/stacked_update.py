@@ -30,12 +30,14 @@ Update = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 def stacked(plan: Plan, tx: optax.GradientTransformation, layouts: Any = None) -> Update:
-    """``tx.update(grads, state, params)`` with ``plan``'s stacks batched; ``tx.update``
-    itself where ``plan`` has none. ``layouts``: per parameter leaf, the spec its values
+    """``tx.update(grads, state, params)`` with ``plan``'s stacks batched, evaluated from
+    its jaxpr with its scans rolled (:mod:`jzero.internal.leaf_batching`); ``tx.update``
+    itself where no leaf's update mixes axes (the elementwise optimizers' program as it
+    was). ``layouts``: per parameter leaf, the spec its values
     come back in (default: each leaf's stored layout, :attr:`Plan.layouts`)."""
-    groups = plan.matrices.stack_groups() if plan.matrices else []
-    if not groups:
+    if plan.matrices is None or not any(plan.matrices.mixed):
         return tx.update
+    groups = plan.matrices.stack_groups()
     specs = layouts or [lay.spec for lay in plan.layouts]
     stack, unstack = _stackers(plan, groups, specs)
 

@@ -78,7 +78,8 @@ def test_sharded_parameters_and_master_rest_on_the_host(optimizer):
         assert got.addressable_data(0).shape == want.addressable_data(0).shape
     # Plan.describe shows where each leaf and its master weights rest, and the state.
     rows = opt.plan(awkward_params()).describe().splitlines()
-    head = ["leaf", "shape", "shard", "dim", "stored", "pad", "spec", "memory", "master", "memory"]
+    head = ["leaf", "shape", "shard", "dim", "stored", "pad", "spec", "update", "memory", "master"]
+    head += ["memory"]
     assert rows[0].split() == head
     described = {r.split()[0]: r.split()[-2:] for r in rows[1:-1]}
     assert described == {f"['{k}']": [planned[k], master[k]] for k in planned}
