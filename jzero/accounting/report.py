@@ -30,7 +30,7 @@ from .estimate import (
     theory_comm_bytes_per_axis,
     theory_model_state_bytes,
 )
-from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, summary_table
+from .hlo import Collective, collectives, comm_bytes, comm_bytes_by_axis, dot_flops, summary_table
 from .memory_spaces import of_compiled
 
 _MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
@@ -106,6 +106,10 @@ class Report:
             ``{'device': ..., 'pinned_host': ...}``, from its scheduled HLO
             (:func:`jzero.accounting.memory_spaces.peak_by_space`): what an offload saves
             shows here on any backend, where ``peak_bytes`` (XLA:CPU's one memory) does not.
+        dot_flops: matrix-multiply FLOPs per device per step, 2·M·N·K of every ``dot`` of
+            the optimized HLO times its runs (:func:`jzero.accounting.hlo.dot_flops`): a
+            matrix optimizer's (Muon's Newton-Schulz) is its step's less AdamW's. -1 where
+            XLA lowers dots to library calls (a GPU compile) or a loop's count is unknown.
     """
 
     stage: int
@@ -129,6 +133,7 @@ class Report:
     hpz: int | None = None
     secondary_bytes: float = 0.0
     peak_bytes_by_space: dict[str, int] = dataclasses.field(default_factory=dict)
+    dot_flops: int = -1
 
     @property
     def model_state_bytes(self) -> int:
@@ -203,6 +208,8 @@ class Report:
             row("comm / step (ring)", comm, self.theory_comm_bytes, ratio(self.comm_ratio)),
         ]
         rows += [row(f"  {k}", v) for k, v in self.comm_bytes.items() if k != "total"]
+        if self.dot_flops >= 0:
+            rows.append(("matmul FLOPs / step", f"{self.dot_flops:,}", "", ""))
         devices = f"{self.devices} device" + ("s" if self.devices != 1 else "")
         if len(self.theory_comm_bytes_by_axis) > 1:  # hybrid or hpZ: traffic per mesh axis
             theory, ratios = self.theory_comm_bytes_by_axis, self.comm_ratio_by_axis
@@ -357,7 +364,15 @@ def report_compiled(compiled: Any, state: ZeroState, *, hpz: int | None = None) 
         hpz=hpz,
         secondary_bytes=param_total / hpz if hpz else 0.0,
         peak_bytes_by_space=of_compiled(compiled, text),
+        dot_flops=_dot_flops(text) if on_cpu else -1,
     )
+
+
+def _dot_flops(text: str) -> int:
+    try:
+        return dot_flops(text)
+    except ValueError:  # a dot in a loop of unknown trip count
+        return -1
 
 
 def _bytes_by_axis(colls: list[Collective], mesh_shape: dict[str, int], hpz: int | None):
