@@ -138,6 +138,14 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (AdamW)")
     p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: Newton-Schulz on the blocks' weight matrices at --muon-lr, AdamW at --lr "
+        "on the embeddings and the rest (gpt.muon), each matrix updated whole by jzero",
+    )
+    p.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate (Muon)")
+    p.add_argument(
         "--precision",
         choices=sorted(PRECISIONS),
         default="fp32",
@@ -297,7 +305,7 @@ def check_auto(parser, args, argv) -> None:
 def choose_config(args, parser, cfg, mesh, init_fn, log) -> jzero.ZeroConfig:
     """``--stage auto``: :func:`jzero.autoconfigure` on this run's model, batch and
     precision; its table is printed, and the flags become its choice."""
-    tx, _ = make_tx(args)
+    tx, _ = make_tx(args, cfg)
     base = jzero.ZeroConfig(
         stage=3,  # the run's own options only; the search sets the stage
         precision=run_precision(args),
@@ -320,20 +328,31 @@ def choose_config(args, parser, cfg, mesh, init_fn, log) -> jzero.ZeroConfig:
     return config
 
 
-def make_tx(args):
-    """AdamW with warmup and cosine decay from the flags, clipped; and its schedule."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps
+def make_tx(args, cfg=None):
+    """AdamW (or ``--optimizer muon``: Muon on the blocks' matrices of the model ``cfg``)
+    with warmup and cosine decay from the flags, clipped; and AdamW's schedule."""
+    warmup_cosine = lambda peak: optax.warmup_cosine_decay_schedule(
+        0.0, peak, warmup_steps=max(1, args.steps // 10), decay_steps=args.steps
     )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    return tx, schedule
+    schedule = warmup_cosine(args.lr)
+    if getattr(args, "optimizer", "adamw") == "muon":
+        shapes = jax.eval_shape(functools.partial(gpt.init_params, cfg, jax.random.key(0)))
+        inner = gpt.muon(
+            shapes,
+            warmup_cosine(args.muon_lr),
+            adam_learning_rate=schedule,
+            weight_decay=0.1,
+        )
+    else:
+        inner = optax.adamw(schedule, weight_decay=0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), inner), schedule
 
 
-def make_optimizer(args, mesh, ds=None, config=None):
-    """The run's :class:`jzero.ZeroOptimizer` and learning-rate schedule: AdamW with warmup
-    and cosine decay from the flags, or the DeepSpeed config's optimizer (else AdamW on its
-    schedule) with its clipping, stage, precision and offload."""
-    tx, schedule = make_tx(args)
+def make_optimizer(args, mesh, ds=None, config=None, cfg=None):
+    """The run's :class:`jzero.ZeroOptimizer` and learning-rate schedule: AdamW (or Muon)
+    with warmup and cosine decay from the flags, or the DeepSpeed config's optimizer (else
+    AdamW on its schedule) with its clipping, stage, precision and offload."""
+    tx, schedule = make_tx(args, cfg)
     if ds is None:
         config = run_config(args) if config is None else config
         return jzero.ZeroOptimizer(tx, mesh, config=config), schedule
@@ -731,7 +750,7 @@ def run(args, parser, devices, train_text, val_text, log, ckpt, ds, started) -> 
     # init_fn runs under jit with sharded outputs: in stage 3 no device holds the whole model.
     init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(args.seed))
     auto = choose_config(args, parser, cfg, mesh, init_fn, log) if args.stage == "auto" else None
-    opt, schedule = make_optimizer(args, mesh, ds, config=auto)
+    opt, schedule = make_optimizer(args, mesh, ds, config=auto, cfg=cfg)
     shapes = jax.eval_shape(init_fn)
     curve, batches_drawn, resumed = Curve(), 0, None
     run_flags = {name: getattr(args, name) for name in RUN_FLAGS}

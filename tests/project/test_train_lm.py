@@ -182,6 +182,23 @@ def test_train_lm_script_runs(tmp_path, capsys):
     assert line in out
 
 
+def test_train_lm_trains_with_muon(tmp_path, capsys):
+    """--optimizer muon: Newton-Schulz on the blocks' kernels, each updated whole (in a
+    stack of its shape's leaves) at stage 3, AdamW on the rest; validation loss falls."""
+    argv = [*TINY, "--steps", "30", "--eval-every", "15", "--optimizer", "muon"]
+    with standard():
+        assert train_lm.main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^validation loss fell from (\S+) to (\S+)", out, re.M), out
+    args = train_lm.make_parser().parse_args(argv)
+    cfg = gpt.GPTConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2)
+    opt, _ = train_lm.make_optimizer(args, jzero.data_mesh(), cfg=cfg)
+    shapes = jax.eval_shape(functools.partial(gpt.init_params, cfg, jax.random.key(0)))
+    rows = opt.plan(shapes).describe().splitlines()
+    kernels = [row for row in rows if "['blocks']" in row and "['kernel']" in row]
+    assert len(kernels) == 4 and all("whole 1,2 in stack" in row for row in kernels), rows
+
+
 @pytest.mark.parametrize(
     ("first", "last", "line"),
     [
