@@ -19,6 +19,7 @@ collectives per step and step time, each beside docs/design.md §1's theory wher
     python scripts/bench.py --json out.json        # docs/design.md §5's JSON
     python scripts/bench.py --quick                # small model, few steps (~20 s)
     python scripts/bench.py --checkpoint-only      # checkpoint throughput alone (~1 min)
+    python scripts/bench.py --matrices --json benchmarks/matrices_cpu8.json  # Muon vs AdamW
     python scripts/bench.py --max-model 64MB       # largest model per stage (compile only)
     python scripts/bench.py --max-model 64MB --max-model-train 5   # ... then train each
 
@@ -39,6 +40,12 @@ stage 1 on half the devices, and ``export_safetensors``. One untimed warm-up rep
 first (it compiles); the medians of ``--checkpoint-reps`` more are reported as MB/s of the
 true (unpadded) state bytes, MB = 1e6 (the export: of the parameters' bytes, all it writes).
 No targets: the figures depend on the machine.
+
+Matrix optimizers (``--matrices``, alone; ``scripts/benchmark/matrices.py``): Muon
+(``gpt.muon``) against AdamW on the same GPT, scanned and unrolled, at stages 1-3, in
+jzero's step and the user's: collective bytes, matmul FLOPs per device, the compiled peak,
+step time, and Muon's ratios to AdamW's, with the Newton-Schulz FLOPs per device over
+1/N of one device's.
 
 Largest model (``--max-model BUDGET``, alone; ``scripts/max_model.py``): the ZeRO paper's
 Table 2 and ZeRO-Offload's claim, measured. For DP, stages 1-3, and stage 3 streamed
@@ -110,6 +117,7 @@ import data  # noqa: E402  (examples/data.py: bytes of a small public-domain cor
 import gpt  # noqa: E402  (examples/gpt.py)
 import max_model  # noqa: E402  (scripts/max_model.py: --max-model)
 from benchmark.checkpoints import bench_checkpoint, checkpoint_table  # noqa: E402
+from benchmark.matrices import bench_matrices, matrices_table  # noqa: E402
 from benchmark.runs import ADAMW, RUNS, adamw, run_auto_fsdp, run_user_step, run_zero  # noqa: E402
 from benchmark.tables import table  # noqa: E402
 
@@ -148,6 +156,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--checkpoint-reps", type=int, default=3, help="timed repetitions (median; default 3)"
+    )
+    ap.add_argument(
+        "--matrices",
+        action="store_true",
+        help="only Muon against AdamW on the example GPT, scanned and unrolled, stages 1-3, "
+        "jzero's step and the user's (scripts/benchmark/matrices.py)",
     )
     ap.add_argument(
         "--max-model",
@@ -216,6 +230,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "jax": jax.__version__,
             "max_model": max_model.bench_max_model(args, make_tx=adamw, optimizer=ADAMW),
         }
+    if args.matrices:
+        return bench_matrix_optimizers(args)
     if args.checkpoint_only:
         return {
             "platform": jax.devices()[0].platform,
@@ -274,6 +290,34 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _gpt_and_batches(args: argparse.Namespace, mesh) -> tuple[Any, list[dict[str, Any]]]:
+    cfg = gpt.GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+        n_heads=args.heads, n_layers=args.layers, dtype=jnp.float32,
+    )  # fmt: skip
+    stream = data.batches(
+        data.load_corpus(), batch_size=args.batch, seq_len=args.seq_len, seed=args.seed
+    )
+    tokens = lambda: {"tokens": next(stream)["tokens"] % args.vocab}
+    return cfg, [tokens() for _ in range(args.warmup + args.steps)]
+
+
+def bench_matrix_optimizers(args: argparse.Namespace) -> dict[str, Any]:
+    """``--matrices``: Muon's rows beside AdamW's (:mod:`benchmark.matrices`)."""
+    mesh = jzero.data_mesh()
+    cfg, batches = _gpt_and_batches(args, mesh)
+    name = f"gpt-L{cfg.n_layers}-d{cfg.d_model}-h{cfg.n_heads}-T{cfg.seq_len}-V{cfg.vocab_size}"
+    return {
+        "platform": jax.devices()[0].platform,
+        "devices": mesh.shape["data"],
+        "jax": jax.__version__,
+        "model": {"name": name, "layers": cfg.n_layers, "dtype": "float32"},
+        "settings": {"batch": args.batch, "warmup": args.warmup, "steps": args.steps},
+        "optimizers": {"adamw": "optax.adamw(1e-3)", "muon": "gpt.muon(lr 0.02, adam 1e-3)"},
+        "matrices": bench_matrices(cfg, mesh, batches, args.warmup),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     result = bench(args)
@@ -284,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(table(result, quick=args.quick))
     if "checkpoint" in result:
         print(("\n" if "runs" in result else "") + checkpoint_table(result["checkpoint"]))
+    if "matrices" in result:
+        print(matrices_table(result["matrices"]))
     if "max_model" in result:
         print(max_model.max_model_table(result["max_model"], platform=result["platform"]))
     return result

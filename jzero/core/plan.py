@@ -267,9 +267,10 @@ class Plan:
 
     def _update_column(self, i: int) -> str:
         """How leaf ``i`` is updated: elementwise ('-'), on whole matrices along an owner
-        axis ('whole 1,2 by dim 0') or in a stack of its shape ('whole 0,1 in stack 0 (8
-        leaves)'), or mixing axes it is not split along ('mixes 0,1'); '?' where the
-        update could not be read."""
+        axis ('whole 1,2 by dim 0'), in a stack of its shape ('whole 0,1 in stack 0 (8
+        leaves)') or, the only leaf of its shape, gathered ('whole 0,1 on every device');
+        or mixing axes as the compiler splits it ('mixes 0,1'); '?' where the update could
+        not be read."""
         if self.matrices is None:
             return "?"
         axes = ",".join(str(d) for d in sorted(self.matrices.mixed[i]))
@@ -278,6 +279,8 @@ class Plan:
         owner, stack = self.matrices.layouts[i], self.matrices.stacks[i]
         if owner is not None:
             return f"whole {axes} by dim {owner.dim}"
+        if stack is not None and self.matrices.stacks.count(stack) == 1:
+            return f"whole {axes} on every device"
         if stack is not None:
             return f"whole {axes} in stack {stack} ({self.matrices.stacks.count(stack)} leaves)"
         return f"mixes {axes}"

@@ -9,6 +9,12 @@ and laid out along the stack (``data`` on its leading axis, padded to a multiple
 compiler moves them by all-to-all), so each device works on whole matrices, its 1/N of
 them; what the update returns comes back to each leaf's stored layout the same way.
 Numbers are the update's own: each leaf's equations run as traced, ``jax.vmap``-ed.
+
+A stack of one leaf is not padded to N slots: it is gathered whole onto every device and
+updated there, each device keeping its shard. A padded stack would move the leaf twice
+(in and out by all-to-all, ``2·(N-1)/N`` of it per device, the padding included) for the
+same per-device FLOPs (one matrix: the padding slots compute zeros); gathered, it moves
+once (``(N-1)/N``).
 """
 
 from __future__ import annotations
@@ -75,6 +81,8 @@ def _stackers(plan: Plan, groups: list[list[int]], specs: Any) -> tuple[Callable
 
     def stack(b: int, values: list[jax.Array]) -> jax.Array:
         x = jnp.stack(values)
+        if len(values) == 1:  # whole on every device: half a padded stack's bytes
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
         pad = -len(values) % size
         if pad:
             x = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)])

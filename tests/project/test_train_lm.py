@@ -196,7 +196,7 @@ def test_train_lm_trains_with_muon(tmp_path, capsys):
     shapes = jax.eval_shape(functools.partial(gpt.init_params, cfg, jax.random.key(0)))
     rows = opt.plan(shapes).describe().splitlines()
     kernels = [row for row in rows if "['blocks']" in row and "['kernel']" in row]
-    assert len(kernels) == 4 and all("whole 1,2 in stack" in row for row in kernels), rows
+    assert len(kernels) == 4 and all("whole 1,2 on every device" in row for row in kernels), rows
 
 
 @pytest.mark.parametrize(
