@@ -5,6 +5,10 @@ update's 4-6.6x AdamW's bytes)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
+
 import jax
 import numpy as np
 import optax
@@ -12,10 +16,18 @@ import pytest
 from _matrices import OPTIMIZERS, batches, model, scanned_params, unrolled_params
 from _models import OPTIMIZERS as ELEMENTWISE
 from _models import assert_each_step_is_optax, awkward_params, record
+from _paths import EXAMPLES
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jzero
 from jzero.accounting import comm_bytes
 from jzero.accounting.hlo import dot_flops
+
+sys.path.insert(0, str(EXAMPLES))
+import gpt  # noqa: E402  (examples/gpt.py)
+
+PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 
 CASES = [
     *(("muon", s) for s in (0, 1, 2, 3)),
@@ -184,3 +196,26 @@ def test_checkpoint_at_stage_1_on_8_restores_at_stage_3_on_4(tmp_path, name):
         jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves((want.params, want.opt_state))
     ):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.skipif(not PLUGIN, reason="needs jzero[gpu-compile]")
+def test_example_gpt_muon_step_compiled_for_8_h200s_moves_zero_bytes():
+    """XLA's GPU compile (8 compile-only H200s) of the example GPT's step at stage 1, the
+    bench's model (8 scanned blocks, d_model 256): Muon's collectives within 1.25x AdamW's
+    bytes and its compiled peak (arguments + temporaries) within AdamW's."""
+    mesh = jzero.gpu_mesh("h200", devices=8)
+    cfg = gpt.GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_heads=4, n_layers=8)
+    init_fn = functools.partial(gpt.init_params, cfg, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct(
+        (16, 65), jax.numpy.int32, sharding=NamedSharding(mesh, P("data"))
+    )
+    figures = {}
+    for name, tx in (("adamw", optax.adamw(1e-3)), ("muon", gpt.muon(jax.eval_shape(init_fn)))):
+        opt = jzero.ZeroOptimizer(tx, mesh, stage=1)
+        state = jax.eval_shape(*opt.init_program(init_fn=init_fn))
+        compiled = opt.train_step(gpt.make_loss_fn(cfg)).lower(state, {"tokens": tokens}).compile()
+        memory = compiled.memory_analysis()
+        peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+        figures[name] = (comm_bytes(compiled.as_text())["total"], peak)
+    assert figures["muon"][0] <= 1.25 * figures["adamw"][0], figures
+    assert figures["muon"][1] <= figures["adamw"][1], figures
