@@ -20,6 +20,7 @@ are still updated exactly, split by the compiler, and :meth:`Plan.describe` says
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -46,7 +47,28 @@ def update_axes(
     Optax tells them, :func:`.plan.param_owners`), or where Optax cannot tell (Muon with
     dimension numbers), the parameter whose gradient each new state leaf holds axis for
     axis. None where the update cannot be traced on ``(grads, state, params)`` alone
-    (one that needs extra arguments): those leaves keep their layout."""
+    (one that needs extra arguments): those leaves keep their layout. Read once per
+    transformation and tree of shapes (a trace of the update: 0.15 s at 321 leaves)."""
+    shapes = lambda tree: (jax.tree.structure(tree), tuple(_spec(x) for x in jax.tree.leaves(tree)))
+    owned = None if owners is None else tuple(owners)
+    try:
+        return _read(tx, shapes(params), shapes(opt_state), owned)
+    except TypeError:  # something unhashable (a transformation's closure): read it again
+        return _read.__wrapped__(tx, shapes(params), shapes(opt_state), owned)
+
+
+def _spec(x: Any) -> tuple:
+    return tuple(x.shape), x.dtype
+
+
+def _abstract(shapes: tuple) -> Any:
+    treedef, specs = shapes
+    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in specs])
+
+
+@functools.lru_cache(maxsize=64)
+def _read(tx: Any, params: tuple, opt_state: tuple, owners: tuple | None) -> UpdateAxes | None:
+    params, opt_state = _abstract(params), _abstract(opt_state)
     try:
         found = mixed_axes_of(tx.update, params, opt_state, params)
     except Exception:  # noqa: BLE001 -- an update this cannot trace keeps today's layout
