@@ -29,8 +29,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..internal.leaf_batching import plan_batching, run_batching
+from ..internal.moved import InternalMoved, warn_fallback
 from .mesh import DATA
 from .plan import Plan
+from .update_layout import FEATURE, SPLIT_COST
 
 Update = Callable[[Any, Any, Any], tuple[Any, Any]]
 
@@ -60,11 +62,16 @@ def stacked(plan: Plan, tx: optax.GradientTransformation, layouts: Any = None) -
 
         flat = [*g, *s, *p]
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
-        batching = plan_batching(flat_update, abstract, roles)
-        if batching is None:  # the update treats a stack's leaves differently
+        try:
+            batching = plan_batching(flat_update, abstract, roles)
+            if batching is None:  # the update treats a stack's leaves differently
+                return tx.update(grads, state, params)
+            outs = run_batching(batching, flat, stack, unstack)
+        except InternalMoved as moved:
+            warn_fallback(FEATURE, moved, "the update runs as the compiler splits it", SPLIT_COST)
             return tx.update(grads, state, params)
         out_def = jax.tree.structure(jax.eval_shape(tx.update, grads, state, params))
-        return jax.tree.unflatten(out_def, run_batching(batching, flat, stack, unstack))
+        return jax.tree.unflatten(out_def, outs)
 
     return update
 

@@ -32,7 +32,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from .equation import Equation
 from .interpret import _literal_key, bind, binding_key, inline_calls
-from .mixed_axes import _Pass
+from .mixed_axes import equation_mixes
+from .moved import InternalMoved
 from .primitives import Kind
 
 Key = Hashable
@@ -64,7 +65,15 @@ def plan_batching(
 ) -> Batching | None:
     """How to run ``fn`` (on the flat ``args``) with ``groups`` batched: per bucket, per
     leaf, the flat input numbers of its roles (gradient, parameter, owned state, in the
-    same order for every leaf). None where no bucket's leaves are treated alike."""
+    same order for every leaf). None where no bucket's leaves are treated alike. Raises
+    :class:`.moved.InternalMoved` where an equation's form this reads has moved."""
+    try:
+        return _plan(fn, args, groups)
+    except (KeyError, AttributeError) as missing:
+        raise InternalMoved(f"an equation's field or parameter ({missing!r})", "is gone") from None
+
+
+def _plan(fn: Callable[..., Any], args: Sequence[Any], groups: Sequence) -> Batching | None:
     jaxpr = inline_calls(jax.make_jaxpr(lambda *a: fn(*a))(*args))
     inner = jaxpr.jaxpr
     owner: dict[Var, tuple[int, int]] = {}  # a leaf's input or private value -> (bucket, leaf)
@@ -145,15 +154,8 @@ def _operand_key(v: Any, key: dict[Var, Key]) -> Key:
 
 def _mixes(eqn: Any, owner: dict) -> bool:
     """Whether the equation mixes the axes of its leaf's values (:mod:`.mixed_axes`)."""
-    analysis = _Pass()
-    ins = []
-    for k, v in enumerate(eqn.invars):
-        ndim = len(getattr(v.aval, "shape", ()))
-        mine = isinstance(v, Var) and v in owner
-        ins.append(tuple(frozenset({(k, d)}) if mine else frozenset() for d in range(ndim)))
-    for labels in analysis.equation(Equation(eqn), ins):
-        analysis.check_twice(labels)
-    return bool(analysis.mixed)
+    mine = [isinstance(v, Var) and v in owner for v in eqn.invars]
+    return equation_mixes(Equation(eqn), mine)
 
 
 def _slots(inner: Any, private: dict[int, _Private], groups: Sequence) -> dict:

@@ -31,6 +31,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as prims
 
 from .equation import Equation, closed
+from .moved import InternalMoved
 from .primitives import ELEMENTWISE, Kind
 
 Origin = tuple[int, int]  # (flat input index, axis of that input)
@@ -289,6 +290,18 @@ def _reshape_groups(old: tuple[int, ...], new: tuple[int, ...]) -> list[tuple[li
     return groups
 
 
+def equation_mixes(eqn: Equation, mine: Sequence[bool]) -> bool:
+    """Whether one equation mixes the axes of its operands marked ``mine``."""
+    analysis = _Pass()
+    ins = []
+    for k, (v, own) in enumerate(zip(eqn.inputs, mine)):
+        ndim = len(getattr(v.aval, "shape", ()))
+        ins.append(tuple(frozenset({(k, d)}) if own else frozenset() for d in range(ndim)))
+    for labels in analysis.equation(eqn, ins):
+        analysis.check_twice(labels)
+    return bool(analysis.mixed)
+
+
 def mixed_axes(jaxpr: ClosedJaxpr) -> MixedAxes:
     """Per flat input of ``jaxpr``, the axes the function mixes and those it reduces."""
     inner = closed(jaxpr).jaxpr
@@ -306,5 +319,10 @@ def mixed_axes(jaxpr: ClosedJaxpr) -> MixedAxes:
 
 def mixed_axes_of(fn: Any, *args: Any) -> MixedAxes:
     """:func:`mixed_axes` of ``fn`` traced on ``args`` (arrays or ``jax.ShapeDtypeStruct``
-    trees), per flat leaf of ``args``."""
-    return mixed_axes(jax.make_jaxpr(fn)(*args))
+    trees), per flat leaf of ``args``. Raises :class:`.moved.InternalMoved` where a
+    primitive's parameter this pass reads has moved (the trace's own errors pass)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    try:
+        return mixed_axes(jaxpr)
+    except KeyError as missing:
+        raise InternalMoved(f"a primitive's parameter {missing}", "is gone") from None

@@ -151,6 +151,13 @@ PARAMS = {  # primitive -> (a function whose jaxpr holds it, the parameters jzer
     "broadcast_in_dim": (lambda x: jnp.broadcast_to(x.sum(), (4,)), ("shape", "sharding")),
     "name": (lambda x: jax.ad_checkpoint.checkpoint_name(x, "n"), ("name",)),
     "device_put": (lambda x: jax.device_put(x, jax.memory.Space.Device), ("devices",)),
+    # what the mixed-axes pass reads (jzero/internal/mixed_axes.py)
+    "dot_general": (lambda x: jnp.outer(x, x) @ jnp.outer(x, x), ("dimension_numbers",)),
+    "reduce_sum": (lambda x: x.sum(), ("axes",)),
+    "transpose": (lambda x: jnp.outer(x, x).T, ("permutation",)),
+    "squeeze": (lambda x: x[None].squeeze(0), ("dimensions",)),
+    "cumsum": (lambda x: jnp.cumsum(x), ("axis",)),
+    "concatenate": (lambda x: jnp.concatenate([x, x]), ("dimension",)),
 }
 
 
@@ -162,6 +169,13 @@ def test_primitive_parameters_jzero_reads(prim_name):
     assert not missing, _changed(
         f"the parameters {names} of {prim_name!r}", f"lack {missing} (it has {sorted(params)})"
     )
+
+
+def test_an_equation_is_rebuilt_with_other_parameters():
+    """leaf_batching compares scan bodies by text: JaxprEqn.replace(params=...)."""
+    eqn = _eqn(lambda x: jnp.sin(x), X, prim_name="sin").jaxpr_eqn
+    twin = eqn.replace(params={**eqn.params})
+    assert twin.primitive is eqn.primitive, _changed("JaxprEqn.replace", "changed")
 
 
 def test_closed_call_takes_its_body_as_call_jaxpr():
