@@ -17,6 +17,8 @@
 # reduce-scatter, stage 2's per-layer reduce-scatter over a scan, stage 3's per-layer
 # gathers with the pipeliner off; the newest run compiles every one, on 8 and 64), what
 # the peers' tests pass a drop-in (L-BFGS's value_fn, typed keys, complex parameters),
+# Muon on whole matrices (the mixed-axes pass and the stacks read jaxprs: one oracle case
+# per path, and the bytes of the user's step, whose layout the compiler propagates),
 # and the GPU check's fast tests (test_gpu_check). --dist loadgroup: the GPU programs
 # the group shares are compiled once, on one worker.
 # scripts/test.sh runs everything on the newest.
@@ -60,6 +62,10 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     "tests/core/gather/test_unrolled_stage3.py::test_only_a_held_parameter_puts_the_loss_under_a_checkpoint" \
     "tests/core/gather/test_unrolled_stage3.py::test_a_use_repeated_in_every_layer_is_traced_once" \
     "tests/core/gather/test_unrolled_stage3.py::test_matches_single_device_optax[loop]" \
+    tests/internal/test_mixed_axes.py \
+    "tests/core/test_matrix_optimizers.py::test_each_step_is_single_device_optax[muon-1]" \
+    "tests/core/test_matrix_optimizers.py::test_each_step_is_single_device_optax[muon_scanned-3]" \
+    "tests/core/test_matrix_optimizers.py::test_muon_moves_zero_bytes_and_its_share_of_the_flops[3-unrolled-user]" \
     "$@"
 # test_gpu_check's fast tests. Its dry run (every part at tiny sizes, 13 minutes of 2
 # cores) is `extended`: scripts/test.sh -m '' runs it, on the newest versions.
