@@ -115,6 +115,13 @@ def collective_variants(base: ZeroConfig, stage: int) -> tuple[tuple[bool, bool]
     return tuple(pairs)
 
 
+def shape_name(shape: Shape) -> str:
+    """A shape's short name, its candidates' without the accumulation, e.g. ``zero3 host
+    recompute``."""
+    config = shape.config(ZeroConfig(stage=shape.stage), accum=1, bucket=False, prefetch=False)
+    return describe(config).removesuffix(" accum=1")
+
+
 def describe(config: ZeroConfig) -> str:
     """A candidate's short name, e.g. ``zero3 host recompute bucket prefetch accum=4``."""
     parts = [f"zero{config.stage}"]

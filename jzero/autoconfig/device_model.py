@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.gpu_target.compile_only import is_compile_only
 from ..internal import host_compute
 
 _MATMUL = 512  # the probe's square matmul, per device
@@ -75,7 +76,18 @@ class DeviceModel(NamedTuple):
 
 
 def calibrate(mesh: Mesh, *, repeats: int = 3) -> DeviceModel:
-    """Measures the device model's rates on ``mesh`` (its ``data`` axis for collectives)."""
+    """Measures the device model's rates on ``mesh`` (its ``data`` axis for collectives).
+
+    Raises ``ValueError`` for compile-only GPUs (:func:`jzero.gpu_mesh`), where nothing
+    runs: :func:`jzero.autoconfigure` plans for them with datasheet rates."""
+    if is_compile_only(mesh):
+        raise ValueError(
+            "calibrate measures rates by running probes on the mesh's devices, but these are "
+            "compile-only GPUs (jzero.gpu_mesh), where nothing runs. jzero.autoconfigure("
+            "..., mesh=mesh) or target= plans for them with datasheet rates "
+            "(jzero.autoconfig.target.RATES); pass device_model=jzero.autoconfig.DeviceModel"
+            "(...) to plan with your own."
+        )
     return DeviceModel(
         flops_per_s=_matmul_rate(mesh, repeats),
         collective_s=_collective_time(mesh, repeats),

@@ -29,6 +29,10 @@ The search, for a loss, its parameters, a global batch and a mesh:
 When nothing fits, the answer names the smallest budget that would, and with which
 configuration (the lightest compiled candidate: stage 3, recompute, offload if allowed,
 the most micro-batches).
+
+The devices are ``mesh=``'s, or GPUs that are not here (``target=``, or a ``mesh=`` of
+compile-only GPUs: :mod:`.target`). The search says what it does on stderr as it goes
+(:mod:`.progress`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from ..accounting import memory_spaces
 from ..accounting.estimate import estimate
 from ..accounting.hlo import collectives, comm_bytes, dot_flops, launches
 from ..accounting.report import Report, report_compiled
+from ..core.gpu_target.cluster import GPUS_PER_HOST
+from ..core.gpu_target.compile_only import is_compile_only
 from ..core.options.zero_config import ZeroConfig
 from ..core.plan import Plan
 from ..optimizers.zero_optimizer import ZeroOptimizer
@@ -61,14 +67,21 @@ from .candidates import (
     describe,
     micro_batch,
     partial_share,
+    shape_name,
     shapes,
 )
 from .device_model import DeviceModel, calibrate
-from .target import GPUS_PER_HOST, OFFLOAD_NOTE, target_budget, target_mesh, target_model
+from .progress import SearchProgress
+from .target import OFFLOAD_NOTE, target_budget, target_mesh, target_model
 
 TIE = 0.05
-_MESH_OR_TARGET = "pass mesh= (the devices present) or target= (GPUs to plan for)"
 """Candidates predicted within this fraction of the fastest count as equally fast."""
+_MESH_OR_TARGET = "pass mesh= (the devices present) or target= (GPUs to plan for)"
+COMPILE_ONLY_MESH_NOTE = (
+    "mesh= holds compile-only GPUs (jzero.gpu_mesh), so the search plans for them as "
+    "target= does: each candidate compiled for them, their memory times JAX's allocator "
+    "share as the budget, datasheet rates"
+)
 
 
 class Row(NamedTuple):
@@ -251,6 +264,7 @@ def autoconfigure(
     device_model: DeviceModel | None = None,
     tie: float = TIE,
     target: Any = None,
+    quiet: bool = False,
 ) -> Choice:
     """The configuration that fits ``device_budget`` and has the lowest predicted step time.
 
@@ -259,7 +273,8 @@ def autoconfigure(
         params: the parameters (arrays or ``jax.ShapeDtypeStruct`` s); or ``init_fn``.
         batch: the global batch (arrays or ``ShapeDtypeStruct`` s) one step trains on:
             every candidate keeps it, making up smaller micro-batches by accumulation.
-        mesh, tx: as for :class:`jzero.ZeroOptimizer`.
+        mesh, tx: as for :class:`jzero.ZeroOptimizer`; a mesh of compile-only GPUs
+            (:func:`jzero.gpu_mesh`) is planned for as ``target=`` plans.
         config: the run's own options, kept in every candidate (layout, precision, hpZ,
             quantized collectives, the step's options such as ``has_aux``); its stage,
             offload, buckets, prefetch, recompute and accumulation are what is searched.
@@ -276,13 +291,19 @@ def autoconfigure(
             exact warm-up steps: it changes the numbers, so it is tried only when allowed.
         device_model: the rates to predict with (default: :func:`calibrate` on ``mesh``).
         tie: predicted times within this fraction count as equal (the simplest wins).
-        target: plan for GPUs that are not here, in place of ``mesh``: a string such as
-            ``"h100:64"`` (64 H100s, hosts of 8) or ``"h200:8x8"`` (hosts x GPUs), or a
-            :func:`jzero.gpu_mesh`. Every candidate is compiled by XLA's GPU compiler for
-            them (the ``gpu-compile`` extra); the budget is the spec's memory times JAX's
-            allocator share (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75) and the rates are
-            datasheet peaks (:mod:`jzero.autoconfig.target`), unless given. Offload is not
-            planned there (``Choice.notes`` says so).
+        target: plan for GPUs that are not here, in place of ``mesh``: a string as
+            :func:`jzero.gpu_mesh` takes it, ``"h100:8"`` (8 H100s), ``"h100:64"`` (64 in
+            hosts of 8) or ``"h200:8x8"`` (HOSTSxGPUS), or a :func:`jzero.gpu_mesh` (passed
+            as ``mesh=``, one plans the same, and ``Choice.notes`` says so). Every candidate
+            is compiled by XLA's GPU compiler for them (the ``gpu-compile`` extra); the
+            budget is the spec's memory times JAX's allocator share
+            (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75) and the rates are datasheet peaks
+            (:mod:`jzero.autoconfig.target`), unless given. Offload is not planned there
+            (``Choice.notes`` says so).
+        quiet: print nothing while searching. Default: its progress on stderr
+            (:mod:`jzero.autoconfig.progress`): the devices, the candidates the estimator
+            skipped and why, then each candidate as it compiles (i of n, its name, the
+            seconds so far), as a bar on a terminal and as lines off one.
 
     Example (a plan for 64 H100s, from a laptop; nothing the model's size is allocated)::
 
@@ -297,53 +318,68 @@ def autoconfigure(
     on abstract values. Raises ``ValueError`` for a batch whose rows do not split over the
     mesh's data-parallel devices.
     """
-    start = time.perf_counter()
     base = ZeroConfig(stage=0) if config is None else config
-    notes: tuple[str, ...] = ()
-    if target is not None:
-        mesh, device_budget, device_model = _for_target(
-            target, mesh, device_budget, device_model, host_budget, allow_delay
-        )
-        notes = (OFFLOAD_NOTE,)
-    elif mesh is None:
-        raise TypeError(f"autoconfigure needs mesh= or target=; {_MESH_OR_TARGET}.")
-    problem = _problem(loss_fn, params, init_fn, batch, mesh, tx)
-    budget = default_device_budget(mesh) if device_budget is None else float(device_budget)
-    model = calibrate(mesh) if device_model is None else device_model
-    search = _Search(problem, base, budget, host_budget, model)
-    offload = host_budget is not None and search.can_offload()
-    partial = partial_share([math.prod(x.shape) for x in jax.tree.leaves(problem.shapes)])
-    for shape in shapes(base, stages=stages, offload=offload, partial=partial, delay=allow_delay):
-        search.shape(shape)
-    search.variants()
-    chosen, larger = search.choose(tie)
-    if target is not None and chosen is None and search.compiled == 0:
-        raise ValueError(too_large(search.rows, budget, mesh))  # before compiling the lightest
-    smallest = None if chosen is not None else search.smallest()
-    return Choice(
-        config=None if chosen is None else chosen.config,
-        rows=tuple(search.rows),
-        device_budget=budget,
-        host_budget=host_budget,
-        device_model=model,
-        search_seconds=time.perf_counter() - start,
-        compiled=search.compiled,
-        smallest=smallest,
-        notes=notes,
-        larger=larger,
-        chosen_step=None if chosen is None else ChosenStep(*search.kept[chosen.config]),
-    )
+    with SearchProgress(quiet=quiet) as progress:
+        devices = _devices(mesh, target, device_budget, device_model, host_budget, allow_delay)
+        for line in (_planning(devices.mesh, devices.budget), *devices.notes):
+            progress.say(line)
+        problem = _problem(loss_fn, params, init_fn, batch, devices.mesh, tx)
+        model = calibrate(devices.mesh) if devices.model is None else devices.model
+        search = _Search(problem, base, devices.budget, host_budget, model, progress)
+        search.weigh(stages, allow_delay)
+        search.variants()
+        choice = search.answer(tie, devices)
+        progress.done(_finished(choice))
+    return choice
 
 
-def _for_target(target, mesh, budget, model, host_budget, allow_delay) -> tuple:
-    """``target``'s compile-only mesh, and its budget and device model where not given."""
-    if mesh is not None:
+class _Devices(NamedTuple):
+    """What the search compiles for."""
+
+    mesh: Mesh
+    budget: float  # bytes of device memory a step may use
+    model: DeviceModel | None  # None: calibrate on the mesh
+    notes: tuple[str, ...]  # what the search does differently for them, and why
+    compile_only: bool  # GPUs that are not here
+
+
+def _devices(mesh, target, budget, model, host_budget, allow_delay) -> _Devices:
+    """The devices of ``mesh=`` or ``target=``; a mesh of compile-only GPUs is planned for
+    as a target, and the notes say so."""
+    if mesh is not None and target is not None:
         raise ValueError(f"autoconfigure got mesh= and target=; {_MESH_OR_TARGET}, not both.")
+    if target is None and mesh is None:
+        raise TypeError(f"autoconfigure needs mesh= or target=; {_MESH_OR_TARGET}.")
+    if target is None and not is_compile_only(mesh):
+        budget = default_device_budget(mesh) if budget is None else float(budget)
+        return _Devices(mesh, budget, model, (), False)
+    notes = (OFFLOAD_NOTE,) if target is not None else (COMPILE_ONLY_MESH_NOTE, OFFLOAD_NOTE)
     if host_budget is not None or allow_delay:
         raise ValueError(f"host_budget= and allow_delay= plan offload; {OFFLOAD_NOTE}.")
-    mesh, spec = target_mesh(target)
-    budget = target_budget(spec) if budget is None else budget
-    return mesh, budget, target_model(spec) if model is None else model
+    mesh, spec = target_mesh(mesh if target is None else target)
+    budget = target_budget(spec) if budget is None else float(budget)
+    return _Devices(mesh, budget, target_model(spec) if model is None else model, notes, True)
+
+
+def _finished(choice: Choice) -> str:
+    """The search's last line: how long it took, how many it compiled, and the answer."""
+    answer = choice.summary().partition("; ")[0]
+    return f"{choice.search_seconds:.0f} s, {choice.compiled} compiled; {answer}"
+
+
+def _planning(mesh: Mesh, budget: float) -> str:
+    """The search's first line: the devices and the budget."""
+    device = mesh.devices.flat[0]
+    hosts = len({d.process_index for d in mesh.devices.flat})
+    where = f"{mesh.devices.size} x {device.device_kind}"
+    if is_compile_only(mesh):
+        where += f" (compile-only, {hosts} host{'s' if hosts > 1 else ''})"
+    return f"planning for {where}, a device budget of {_size(budget)} each"
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as the progress lines give them: GB from 1 GB, MB under it."""
+    return f"{nbytes / 1e9:,.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.2f} MB"
 
 
 def too_large(rows: Sequence[Row], budget: float, mesh: Mesh) -> str:
@@ -376,9 +412,10 @@ def _problem(loss_fn, params, init_fn, batch, mesh, tx) -> _Problem:
 class _Search:
     """The rows found so far, and how each candidate is compiled and read."""
 
-    def __init__(self, problem: _Problem, base, budget, host_budget, model: DeviceModel):
+    def __init__(self, problem: _Problem, base, budget, host_budget, model, progress):
         self.problem, self.base, self.model = problem, base, model
         self.budget, self.host_budget = budget, host_budget
+        self.progress: SearchProgress = progress
         self.rows: list[Row] = []
         self.kept: dict[ZeroConfig, tuple[Any, Any]] = {}  # fitting rows' (compiled, state)
         self.compiled = 0
@@ -391,11 +428,24 @@ class _Search:
         device = self.problem.mesh.devices.flat[0]
         return "pinned_host" in [m.kind for m in device.addressable_memories()]
 
-    def shape(self, shape: Shape) -> None:
-        """Rows for ``shape``: dropped by the estimate, or its accumulations compiled from
-        the smallest until one fits (the larger ones are not compiled: slower)."""
-        config = self._config(shape, 1, False, False)
-        states = self._estimate(config)
+    def weigh(self, stages: Sequence[int], allow_delay: bool) -> None:
+        """Rows for every shape of ``stages``: those whose model states the estimator puts
+        over the budget, said in one line; the others compiled (:meth:`shape`)."""
+        offload = self.host_budget is not None and self.can_offload()
+        sizes = [math.prod(x.shape) for x in jax.tree.leaves(self.problem.shapes)]
+        kinds = dict(offload=offload, partial=partial_share(sizes), delay=allow_delay)
+        found = list(shapes(self.base, stages=stages, **kinds))
+        states = {s: self._estimate(self._config(s, 1, False, False)) for s in found}
+        over = [s for s in found if states[s] > self.budget]
+        self.progress.say(_skipped(over, states, self.budget))
+        self.progress.plan(len(found) - len(over))
+        for shape in found:
+            self.shape(shape, states[shape])
+
+    def shape(self, shape: Shape, states: float) -> None:
+        """Rows for ``shape`` (``states``: its model states by the estimator): dropped by
+        the estimate, or its accumulations compiled from the smallest until one fits (the
+        larger ones are not compiled: slower)."""
         if states > self.budget:
             why = f"model states {states / 1e6:,.2f} MB > budget (estimate)"
             self.rows += [
@@ -417,11 +467,36 @@ class _Search:
     def variants(self, top: int = 3) -> None:
         """Buckets and prefetch for the ``top`` fastest fitting rows."""
         best = sorted((r for r in self.rows if r.fits), key=lambda r: r.seconds)[:top]
-        for row in best:
-            c, shape = row.config, Shape.of(row.config)
-            for bucket, prefetch in collective_variants(self.base, c.stage):
-                config = self._config(shape, c.step.grad_accum, bucket, prefetch)
-                self.rows.append(self._measure(config, row.estimate_bytes))
+        found = [
+            (self._config(Shape.of(r.config), r.config.step.grad_accum, bucket, prefetch), r)
+            for r in best
+            for bucket, prefetch in collective_variants(self.base, r.config.stage)
+        ]
+        self.progress.plan(len(found))
+        for config, row in found:
+            self.rows.append(self._measure(config, row.estimate_bytes))
+
+    def answer(self, tie: float, devices: _Devices) -> Choice:
+        """The choice (:meth:`choose`), or when nothing fits the lightest candidate
+        (:meth:`smallest`); for GPUs that are not here where nothing could be compiled,
+        refused (:func:`too_large`) before compiling the lightest."""
+        chosen, larger = self.choose(tie)
+        if devices.compile_only and chosen is None and self.compiled == 0:
+            raise ValueError(too_large(self.rows, self.budget, devices.mesh))
+        smallest = None if chosen is not None else self.smallest()
+        return Choice(
+            config=None if chosen is None else chosen.config,
+            rows=tuple(self.rows),
+            device_budget=self.budget,
+            host_budget=self.host_budget,
+            device_model=self.model,
+            search_seconds=self.progress.seconds(),
+            compiled=self.compiled,
+            smallest=smallest,
+            notes=devices.notes,
+            larger=larger,
+            chosen_step=None if chosen is None else ChosenStep(*self.kept[chosen.config]),
+        )
 
     def choose(self, tie: float) -> tuple[Row | None, Row | None]:
         """The row :func:`select` picks, and its configuration at the next-larger
@@ -497,6 +572,7 @@ class _Search:
 
     def _measure(self, config: ZeroConfig, states: float) -> Row:
         """Compiles ``config``'s step ahead of time and reads it."""
+        self.progress.compiling(describe(config))
         p, start = self.problem, time.perf_counter()
         opt = ZeroOptimizer(p.tx, p.mesh, config=config)
         init = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), p.shapes)
@@ -538,6 +614,20 @@ class _Search:
             why,
             took,
         )
+
+
+def _skipped(over: list[Shape], states: dict[Shape, float], budget: float) -> str:
+    """The line that names the shapes the estimator skipped, and why."""
+    if not over:
+        return (
+            f"none skipped: by the estimate, every shape's model states fit the "
+            f"{_size(budget)} budget"
+        )
+    each = ", ".join(f"{shape_name(s)} ({_size(states[s])})" for s in over)
+    return (
+        f"skipped without compiling, their model states over the {_size(budget)} budget by "
+        f"the estimate: {each}"
+    )
 
 
 def _host_bytes(plan: Plan) -> tuple[float, float]:

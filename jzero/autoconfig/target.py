@@ -1,8 +1,10 @@
-"""A cluster the user does not have, for :func:`jzero.autoconfigure`'s ``target=``.
+"""A cluster the user does not have, for :func:`jzero.autoconfigure`'s ``target=`` (or a
+``mesh=`` of compile-only GPUs).
 
-``"h100:64"`` (64 H100s, 8 per host) or ``"h200:8x8"`` (8 hosts of 8) names compile-only
-GPUs (:func:`jzero.gpu_mesh`). XLA's GPU compiler then decides what fits: each candidate
-is compiled for them. What the compiler cannot say comes from here:
+``"h100:64"`` (64 H100s, 8 per host) or ``"h200:8x8"`` (8 hosts of 8), spelled as
+:func:`jzero.gpu_mesh` spells them, names compile-only GPUs. XLA's GPU compiler then
+decides what fits: each candidate is compiled for them. What the compiler cannot say
+comes from here:
 
 - the device budget: the spec's device memory times the share JAX's GPU allocator takes by
   default (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75; set it to plan for another), the
@@ -19,17 +21,16 @@ read from them would be true.
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, NamedTuple
+from typing import Any
 
 from jax.sharding import Mesh
 
 from ..core.gpu_target import gpu_mesh
+from ..core.gpu_target.cluster import Cluster, gpu_names, parse_cluster
 from ..core.gpu_target.compile_only import is_compile_only
-from ..core.gpu_target.topology import ALIASES, device_memory_size, gpu_names
+from ..core.gpu_target.topology import device_memory_size
 from .device_model import DeviceModel
 
-GPUS_PER_HOST = 8  # "h100:64": hosts of 8, as DGX/HGX nodes are
 DEFAULT_MEM_FRACTION = 0.75  # JAX's GPU allocator's default share of device memory
 COLLECTIVE_S = 2e-5  # what one NCCL collective adds to a step, whatever its size
 
@@ -50,57 +51,14 @@ OFFLOAD_NOTE = (
 )
 
 
-class Target(NamedTuple):
-    """A cluster of compile-only GPUs to plan for."""
-
-    gpu: str
-    hosts: int
-    devices: int  # in all
-
-    @property
-    def name(self) -> str:
-        return f"{self.gpu}:{self.hosts}x{self.devices // self.hosts}"
+def parse_target(target: str) -> Cluster:
+    """The cluster a ``target=`` string names, as :func:`jzero.gpu_mesh` reads it:
+    ``"h100:64"`` -> 64 H100s in hosts of 8 (up to 8: one host); ``"h200:8x8"`` -> 8 hosts
+    of 8 H200s; ``"a100"`` -> 8 A100s on one host."""
+    return parse_cluster(target)
 
 
-def parse_target(target: str) -> Target:
-    """``"h100:64"`` -> 64 H100s in hosts of 8 (up to 8: one host); ``"h200:8x8"`` -> 8
-    hosts of 8 H200s; ``"a100"`` -> 8 A100s on one host."""
-    match = re.fullmatch(r"\s*([A-Za-z0-9-]+)\s*(?::\s*(\d+)\s*(?:x\s*(\d+))?)?\s*", target)
-    if match is None:
-        raise ValueError(
-            f"target {target!r} is not GPU:COUNT or GPU:HOSTSxGPUS; e.g. 'h100:64' (64 H100s, "
-            f"8 per host) or 'h200:8x8' (8 hosts of 8). GPUs: {', '.join(gpu_names())}."
-        )
-    gpu, first, second = match.groups()
-    gpu = ALIASES.get(gpu.lower(), gpu.lower())
-    if gpu not in RATES:
-        raise ValueError(
-            f"unknown GPU {gpu!r} in target {target!r}; known: {', '.join(gpu_names())}."
-        )
-    if second is not None:
-        hosts, per_host = int(first), int(second)
-        return _checked(Target(gpu, hosts, hosts * per_host), target)
-    count = GPUS_PER_HOST if first is None else int(first)
-    if count > GPUS_PER_HOST and count % GPUS_PER_HOST:
-        raise ValueError(
-            f"target {target!r}: {count} GPUs do not split into hosts of {GPUS_PER_HOST}; "
-            f"say the hosts, e.g. '{gpu}:{_hosts_hint(count)}' (HOSTSxGPUS)."
-        )
-    return _checked(Target(gpu, max(1, count // GPUS_PER_HOST), count), target)
-
-
-def _hosts_hint(count: int) -> str:
-    per = next(p for p in range(min(count, GPUS_PER_HOST), 0, -1) if count % p == 0)
-    return f"{count // per}x{per}"
-
-
-def _checked(target: Target, spelled: str) -> Target:
-    if target.devices < 1 or target.hosts < 1:
-        raise ValueError(f"target {spelled!r} has no GPUs; e.g. 'h100:8'.")
-    return target
-
-
-def target_mesh(target: Any) -> tuple[Mesh, Target]:
+def target_mesh(target: Any) -> tuple[Mesh, Cluster]:
     """The compile-only mesh for ``target`` (a string, or a :func:`jzero.gpu_mesh` mesh)."""
     if isinstance(target, Mesh):
         if not is_compile_only(target):
@@ -111,9 +69,9 @@ def target_mesh(target: Any) -> tuple[Mesh, Target]:
         device = target.devices.flat[0]
         hosts = len({d.process_index for d in target.devices.flat})
         gpu = _gpu_of(device.device_kind)
-        return target, Target(gpu, hosts, target.devices.size)
-    spec = parse_target(str(target))
-    return gpu_mesh(spec.gpu, devices=spec.devices, hosts=spec.hosts), spec
+        return target, Cluster(gpu, hosts, target.devices.size)
+    spec = parse_target(target)
+    return gpu_mesh(spec.name), spec
 
 
 def _gpu_of(kind: str) -> str:
@@ -131,14 +89,14 @@ def _gpu_of(kind: str) -> str:
     return found[0]
 
 
-def target_budget(target: Target) -> float:
+def target_budget(target: Cluster) -> float:
     """The bytes a step may use on one of ``target``'s GPUs: its memory times the share
     JAX's allocator takes (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75)."""
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
     return device_memory_size(target.gpu) * fraction
 
 
-def target_model(target: Target) -> DeviceModel:
+def target_model(target: Cluster) -> DeviceModel:
     """The rates of :data:`RATES` for ``target``: NVLink's on one host, across hosts the
     InfiniBand port's (a ring over hosts runs at its slowest link)."""
     flops, nvlink, infiniband = RATES[target.gpu]

@@ -30,6 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ..core.checksum import checksums
+from ..core.gpu_target.compile_only import check_runnable
 from ..core.input_checks import check_live
 from ..core.plan import ZeroState
 from ..optimizers.zero_optimizer import ZeroOptimizer
@@ -194,6 +195,7 @@ class Checkpointer:
         """
         if not isinstance(state, ZeroState):
             raise TypeError(f"save() takes a jzero.ZeroState, got {type(state).__name__}.")
+        check_runnable(state.plan.mesh, "jzero.Checkpointer.save")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}.")
         step = int(step)
@@ -360,6 +362,7 @@ class Checkpointer:
                 unreadable: the message names the step and the leaf.
         """
         check_optimizer(opt, "restore()")
+        check_runnable(opt.mesh, "jzero.Checkpointer.restore")
         check_like(like)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
             raise TypeError(f"step must be an int or None (the newest valid), got {step!r}.")

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..core.axis_types import on_compute_mesh
+from ..core.gpu_target.compile_only import check_runnable
 from ..core.input_checks import check_live
 from ..core.leaf_layout import unpad
 from ..core.leaf_names import leaf_names
@@ -246,6 +247,7 @@ def export_safetensors(
         The tensor names written, in file order.
     """
     check_optimizer(opt, "export_safetensors()")
+    check_runnable(opt.mesh, "jzero.checkpoint.export_safetensors")
     check_live(state)  # before any buffer is read: a donated one can crash the process
     opt.check_state(state)
     dtype = _export_dtype(dtype)

@@ -73,10 +73,16 @@ def add_parser(commands: Any, size: Callable[[str], float]) -> None:
         "--target",
         metavar="GPU:COUNT",
         help="plan for GPUs that are not here, compiled by XLA's GPU compiler (the "
-        "gpu-compile extra): e.g. h100:64 (hosts of 8) or h200:8x8 (hosts x GPUs); GPUs: "
-        "a100, b200, h100, h200, v100. No offload is planned there.",
+        "gpu-compile extra), spelled as jzero.gpu_mesh spells them: e.g. h100:8 (one host), "
+        "h100:64 (hosts of 8) or h200:8x8 (hosts x GPUs); GPUs: a100, b200, h100, h200, "
+        "v100. No offload is planned there.",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print no progress on stderr (by default: each candidate as it compiles)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         host_budget=args.host_budget,
         stages=stages,
         allow_delay=args.allow_delay,
+        quiet=args.quiet,
         **where,
     )
     text = f"{choice.table()}\n\n{choice.summary()}"

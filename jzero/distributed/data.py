@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ..core.batch_sharding import batch_axes, batch_sharding
+from ..core.gpu_target.compile_only import check_runnable
 
 
 def global_batch(mesh: Mesh, local_batch: Any) -> Any:
@@ -39,6 +40,7 @@ def global_batch(mesh: Mesh, local_batch: Any) -> Any:
         >>> rows = dataset.shard(jax.process_index(), jax.process_count())  # doctest: +SKIP
         >>> state, metrics = train_step(state, jzero.distributed.global_batch(mesh, rows))
     """
+    check_runnable(mesh, "jzero.distributed.global_batch")  # compile-only GPUs hold no data
     sharding = batch_sharding(mesh)
     local = _local_row_groups(sharding)
 

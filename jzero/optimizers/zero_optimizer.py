@@ -178,12 +178,14 @@ class ZeroOptimizer:
 
     def full_params(self, state: ZeroState) -> Any:
         """The whole model, true shapes, replicated over 'data' (e.g. for export)."""
+        check_runnable(self.mesh, "ZeroOptimizer.full_params")
         self.check_state(state)
         return full_params(state)
 
     def full_state(self, state: ZeroState) -> ZeroState:
         """``state`` with parameters, Optax state and fp32 master weights at their true
         shapes, replicated over 'data': what single-device Optax would hold."""
+        check_runnable(self.mesh, "ZeroOptimizer.full_state")
         self.check_state(state)
         return full_state(state)
 

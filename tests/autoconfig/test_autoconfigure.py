@@ -6,6 +6,7 @@ within the budget and runs), and the answer when nothing fits."""
 import dataclasses
 import math
 import pickle
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,8 +136,9 @@ def _search(budget, **kwargs):
     )  # fmt: skip
 
 
-def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_budget():
+def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_budget(capsys):
     choice = _search(150e3)
+    _check_progress(capsys.readouterr().err, choice)
     chosen = choice.chosen
     assert choice.config is not None and chosen is not None and chosen.fits
     assert chosen.device_bytes <= 150e3
@@ -164,8 +166,33 @@ def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_bu
     assert np.isfinite(float(metrics["loss"]))
 
 
-def test_prediction_is_the_stated_model_of_the_compiled_step():
-    choice = _search(1e9)
+def _check_progress(said: str, choice) -> None:
+    """Off a terminal (pytest's stderr), a search says, line by line, before compiling: the
+    devices and the budget, then what the estimator skipped and why; then each candidate
+    as it compiles, i of n, in the order of the rows; then how it ended."""
+    lines = said.splitlines()
+    assert lines[0] == "jzero.autoconfigure: planning for 8 x cpu, a device budget of 0.15 MB each"
+    skipped = [r for r in choice.rows if r.dropped and "(estimate)" in r.dropped]
+    assert lines[1] == (
+        "jzero.autoconfigure: skipped without compiling, their model states over the 0.15 MB "
+        f"budget by the estimate: zero0 ({skipped[0].estimate_bytes / 1e6:,.2f} MB)"
+    )  # stage 0 alone: its every accumulation is a row
+    assert {r.config.stage for r in skipped} == {0}
+    compiled = [r.name for r in choice.rows if r.device_bytes is not None]
+    line = re.compile(r"jzero.autoconfigure: compiling (\d+) of (\d+): (.*) \(\d+ s so far\)")
+    compiling = [line.fullmatch(text) for text in lines[2:-1]]
+    assert [m[3] for m in compiling] == compiled
+    assert [int(m[1]) for m in compiling] == list(range(1, len(compiled) + 1))
+    assert all(int(m[1]) <= int(m[2]) for m in compiling)
+    assert lines[-1].startswith(f"jzero.autoconfigure: {choice.search_seconds:.0f} s, ")
+    assert lines[-1].endswith(f"{choice.compiled} compiled; chosen: {choice.chosen.name} (" + (
+        f"compiled peak {choice.chosen.device_bytes / 1e6:,.2f} MB, predicted "
+        f"{choice.chosen.seconds * 1e3:.2f} ms per step)"))  # fmt: skip
+
+
+def test_prediction_is_the_stated_model_of_the_compiled_step(capsys):
+    choice = _search(1e9, quiet=True)
+    assert capsys.readouterr().err == ""  # quiet: no progress
     for row in (r for r in choice.rows if r.fits and r.config.offload.optimizer is None):
         want = MODEL.step_seconds(row.flops, row.collective_bytes, collectives=row.collectives)
         assert row.seconds == pytest.approx(want) and row.collectives > 0

@@ -1,6 +1,8 @@
-"""``jzero.autoconfigure(..., target=...)``: a plan for GPUs that are not here, compiled by
-XLA's GPU compiler (the ``gpu-compile`` extra, which ``scripts/test.sh`` installs; the
-parsing and its errors need none). The tiny example GPT keeps each compile to seconds."""
+"""``jzero.autoconfigure(..., target=...)``, or ``mesh=`` a ``jzero.gpu_mesh``: a plan for
+GPUs that are not here, compiled by XLA's GPU compiler (the ``gpu-compile`` extra, which
+``scripts/test.sh`` installs; the parsing and its errors need none). The tiny example GPT
+keeps each compile to seconds. The spelling of a cluster is ``jzero.gpu_mesh``'s
+(``tests/core/gpu_target/test_gpu_target_errors.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import optax
 import pytest
 
 import jzero
+from jzero.autoconfig.search import COMPILE_ONLY_MESH_NOTE
 from jzero.autoconfig.target import parse_target, target_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -41,12 +44,16 @@ def test_a_target_names_gpus_and_hosts(spelled, gpu, hosts, devices):
 @pytest.mark.parametrize(
     "spelled, message",
     [("h100:12", r"12 GPUs do not split into hosts of 8; say the hosts, e\.g\. 'h100:2x6'"),
-     ("x100:8", r"unknown GPU 'x100'.*known: a100, b200, h100, h200, v100"),
-     ("h100:0", "has no GPUs"), ("h100 64", "is not GPU:COUNT or GPU:HOSTSxGPUS")],
+     ("x100:8", r"unknown GPU 'x100' in 'x100:8': jzero.gpu_mesh knows a100, b200, h100, h200"),
+     ("h100:0", "has no GPUs"), ("h100 64", "are not spelled as jzero knows: write 'h100:8'")],
 )  # fmt: skip
 def test_a_bad_target_says_how_to_spell_it(spelled, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as e:
         parse_target(spelled)
+    assert "'h200:8x8'" in str(e.value) or "'h100:2x6'" in str(e.value)  # the forms
+    with pytest.raises(ValueError, match=message):  # before anything is compiled
+        jzero.autoconfigure(gpt.make_loss_fn(CFG), init_fn=INIT, batch=BATCH,
+                            tx=optax.adamw(1e-3), target=spelled)  # fmt: skip
 
 
 def test_the_budget_is_the_share_jax_takes_of_the_gpus_memory(monkeypatch):
@@ -64,6 +71,21 @@ def test_mesh_and_target_are_one_or_the_other():
         plan(mesh=jzero.data_mesh(), target="h100:8")
     with pytest.raises(TypeError, match="needs mesh= or target="):
         plan()
+
+
+@needs_plugin
+@pytest.mark.parametrize("gpus", ["h100:8", "h200:8x8"])
+def test_a_compile_only_mesh_is_refused_what_a_target_is_refused(gpus):
+    """mesh= of compile-only GPUs plans as target= does, so it takes what target= takes:
+    with target= too, or with offload, it is refused before anything is compiled."""
+    plan = functools.partial(
+        jzero.autoconfigure, gpt.make_loss_fn(CFG), init_fn=INIT, batch=BATCH, tx=optax.adamw(1e-3)
+    )
+    mesh = jzero.gpu_mesh(gpus)
+    with pytest.raises(ValueError, match="got mesh= and target="):
+        plan(mesh=mesh, target=gpus)
+    with pytest.raises(ValueError, match="plan offload; offload not considered"):
+        plan(mesh=mesh, host_budget=1e9)
 
 
 def _plan(**kwargs):
@@ -109,17 +131,46 @@ def test_plans_with_offload_are_refused_for_a_target():
 
 
 @needs_plugin
-@pytest.mark.parametrize("target", ["h100:8", "mesh"])
-def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it(target):
+@pytest.mark.parametrize("where", ["target", "target_mesh", "mesh"])
+def test_a_model_too_large_for_the_target_says_how_many_gpus_would_hold_it(where, capsys):
     """Model states alone over budget at every stage: refused before any compile, with
     the estimator's count of GPUs (whole hosts of 8) and the H100's budget, also when the
-    target is a ``jzero.gpu_mesh``."""
+    target is a ``jzero.gpu_mesh``, passed as target= or as mesh=."""
     huge = {"w": jax.ShapeDtypeStruct((2**20, 2**17), jnp.float32)}  # 137 B parameters
     # 274.88 GB of states per GPU at stage 3 over 63.71 GB: 35 GPUs, whole hosts of 8
     message = r"\(274\.88 GB per GPU at best.*63\.71 GB on every one of the 8 GPUs at every "
+    gpus = _h100s("mesh" if where != "target" else "h100:8")
     with pytest.raises(ValueError, match=message + "stage; about 40 such GPUs would hold"):
         jzero.autoconfigure(lambda p, b: jnp.sum(p["w"]), huge, batch=BATCH,
-                            tx=optax.adamw(1e-3), target=_h100s(target))  # fmt: skip
+                            tx=optax.adamw(1e-3), **{where.partition("_")[0]: gpus})  # fmt: skip
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == (
+        "jzero.autoconfigure: planning for 8 x NVIDIA H100 80GB HBM3 (compile-only, 1 host), "
+        "a device budget of 63.71 GB each"
+    )
+    assert said[-1].startswith(
+        "jzero.autoconfigure: skipped without compiling, their model states over the 63.71 GB "
+        "budget by the estimate: zero0 ("
+    )
+    assert said[-1].endswith("zero3 (274.88 GB), zero3 recompute (274.88 GB)")
+    assert (COMPILE_ONLY_MESH_NOTE in "".join(said)) == (where == "mesh")
+
+
+@needs_plugin
+def test_64_h200s_passed_as_mesh_are_planned_for_as_a_target(capsys):
+    """mesh=jzero.gpu_mesh("h200:8x8") is the target "h200:8x8": its budget, 8 hosts, and
+    the line that says so; refused here (the model is too large) before any compile."""
+    huge = {"w": jax.ShapeDtypeStruct((2**22, 2**17), jnp.float32)}  # 550 B parameters
+    batch = {"tokens": jax.ShapeDtypeStruct((64, CFG.seq_len + 1), jnp.int32)}
+    with pytest.raises(ValueError, match=r"113\.55 GB on every one of the 64 GPUs"):
+        jzero.autoconfigure(lambda p, b: jnp.sum(p["w"]), huge, batch=batch,
+                            tx=optax.adamw(1e-3), mesh=jzero.gpu_mesh("h200:8x8"))  # fmt: skip
+    said = capsys.readouterr().err.splitlines()
+    assert said[:2] == [
+        "jzero.autoconfigure: planning for 64 x NVIDIA H200 141GB HBM3e (compile-only, 8 "
+        "hosts), a device budget of 113.55 GB each",
+        f"jzero.autoconfigure: {COMPILE_ONLY_MESH_NOTE}",
+    ]
 
 
 @needs_plugin
@@ -128,12 +179,14 @@ def test_the_answer_shows_the_next_larger_micro_batch_does_not_fit(h100_plan):
     """With a budget just under the one-micro-batch step's compiled peak, the chosen
     configuration takes two micro-batches, and ``choice.larger`` is that same
     configuration at one, as compiled by the same GPU compiler: over the budget. (Searched
-    on a ``jzero.gpu_mesh`` of the H100s, the other way to name a target.)"""
+    on a ``jzero.gpu_mesh`` of the H100s passed as ``mesh=``, the way every other jzero
+    function takes a mesh: planned for as the target it is, and the notes say so.)"""
     whole = h100_plan
     assert whole.chosen.config.step.grad_accum == 1 and whole.larger is None
     one = next(r for r in whole.rows if r.name == "zero2 accum=1")
     assert one.compile_seconds > 0
-    cut = _plan(target=_h100s("mesh"), device_budget=one.device_bytes - 1)
+    cut = _plan(mesh=_h100s("mesh"), device_budget=one.device_bytes - 1)
+    assert cut.notes == (COMPILE_ONLY_MESH_NOTE, whole.notes[0])
     row, larger = cut.chosen, cut.larger
     assert row.config.step.grad_accum == 2 and row.micro_batch == 1
     assert larger.config == dataclasses.replace(

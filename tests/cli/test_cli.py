@@ -270,8 +270,10 @@ TINY = ["--set", "d_model=16", "--set", "n_layers=1", "--set", "n_heads=2", "--s
 
 def test_autoconfigure_prints_every_candidate_and_the_choice(capsys):
     argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "2,3"]
-    assert main([*argv, "--device-budget", "1GB", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--device-budget", "1GB", "--json", "--quiet"]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == ""  # --quiet: no progress
+    out = json.loads(printed.out)
     chosen = [r for r in out["rows"] if r["name"] == out["chosen"] and r["dropped"] is None]
     assert chosen and chosen[0]["device_bytes"] <= 1e9 and chosen[0]["stage"] in (2, 3)
     assert {r["stage"] for r in out["rows"]} == {2, 3}
@@ -282,8 +284,19 @@ def test_autoconfigure_prints_every_candidate_and_the_choice(capsys):
 def test_autoconfigure_answers_the_smallest_budget_when_nothing_fits(capsys):
     argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "3"]
     assert main([*argv, "--device-budget", "1KB"]) == 1
-    out = capsys.readouterr().out
-    assert "no configuration fits a device budget of 0.00 MB: the smallest that would is" in out
+    printed = capsys.readouterr()
+    assert "no configuration fits a device budget of 0.00 MB: the smallest that would is" in (
+        printed.out
+    )
+    said = printed.err.splitlines()  # the progress, on stderr, line by line off a terminal
+    assert said[0] == "jzero.autoconfigure: planning for 8 x cpu, a device budget of 0.00 MB each"
+    assert said[1].startswith(
+        "jzero.autoconfigure: skipped without compiling, their model states over the 0.00 MB "
+        "budget by the estimate: zero3 ("
+    )
+    assert re.fullmatch(r"jzero.autoconfigure: compiling 1 of \d+: zero3 accum=1 \(\d+ s so far\)",
+                        said[2])  # fmt: skip
+    assert said[-1].startswith("jzero.autoconfigure: ") and "no configuration fits" in said[-1]
 
 
 def test_autoconfigure_help_says_what_the_factory_returns(capsys):
@@ -317,11 +330,22 @@ def test_autoconfigure_help_says_what_the_factory_returns(capsys):
 def test_autoconfigure_plans_for_gpus_that_are_not_here(capsys):
     argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "2", "--target"]
     assert main([*argv, "h100:8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    said = printed.err.splitlines()
+    assert said[0] == (
+        "jzero.autoconfigure: planning for 8 x NVIDIA H100 80GB HBM3 (compile-only, 1 host), "
+        "a device budget of 63.71 GB each"
+    )
+    assert said[3].startswith("jzero.autoconfigure: compiling 1 of 1: zero2 accum=1 (")
+    out = json.loads(printed.out)
     assert out["chosen"] == "zero2 accum=1" and out["device_budget"] == 0.75 * 84942979072
     assert out["notes"][0].startswith("offload not considered: compile-only GPUs")
     assert main([*argv, "h100:12"]) == 2
     assert "12 GPUs do not split into hosts of 8" in capsys.readouterr().err
+    assert main([*argv, "h100:8x"]) == 2  # refused before the search says anything
+    err = capsys.readouterr().err
+    assert err.startswith("python -m jzero autoconfigure: error: GPUs 'h100:8x' are not spelled")
+    assert "'h200:8x8' (HOSTSxGPUS: 8 hosts of 8)" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@
   runs, in order, in one namespace per page, on the 8 CPU devices of ``conftest.py`` (in a
   temporary directory). A block whose info string says ``norun`` is only compiled (it
   needs a cluster or another process layout, and the page says so); one that says
-  ``multiprocess`` runs as a script in 2 real processes on 127.0.0.1.
+  ``multiprocess`` runs as a script in 2 real processes on 127.0.0.1. A page whose run,
+  as the user makes it, is too long for CI runs smaller (:data:`SMALLER`): the values
+  CI gives are here, not in the page's code or text.
 - Every ``jzero.*`` name any of those blocks uses exists.
 - Every name a documented package exports is on the API reference pages.
 - The benchmark figures come from the committed JSON: ``scripts/figures.py`` writes one
@@ -23,7 +25,7 @@ import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 from _multiprocess import run_processes
@@ -73,9 +75,51 @@ def python_blocks(page: Path) -> list[Block]:
     return blocks
 
 
-def _compile(page: Path, block: Block):
+def _compile(page: Path, block: Block, names: dict[str, Any] | None = None):
+    """The block's code object; ``names``: values for the ``NAME = ...`` statements at its
+    top level, in place of the page's (the names found are removed from ``names``)."""
     # Padded with newlines so that a traceback names the page's own line numbers.
-    return compile("\n" * (block.line - 1) + block.code, str(page), "exec")
+    tree = ast.parse("\n" * (block.line - 1) + block.code)
+    for node in tree.body if names else ():
+        target = node.targets[0] if isinstance(node, ast.Assign) else None
+        if isinstance(target, ast.Name) and target.id in names:
+            node.value = ast.copy_location(ast.Constant(names.pop(target.id)), node.value)
+    return compile(tree, str(page), "exec")
+
+
+class Smaller(NamedTuple):
+    """How CI runs a page whose run, as the user makes it, would take CI too long."""
+
+    names: dict[str, Any]  # values for NAME = ... statements of the page's code
+    keywords: dict[str, dict[str, Any]]  # jzero function -> keywords added to its calls
+
+
+SMALLER = {
+    # Llama 3's 8 B at every stage: a dozen GPU compiles of minutes each on CI's 2 cores;
+    # the tiny model at stage 1, under a budget that cuts its micro-batch: 2 compiles.
+    "docs/guides/plan_gpu.md": Smaller(
+        names={"SIZE": "tiny"},
+        keywords={"autoconfigure": {"stages": (1,), "device_budget": 18e6}},
+    ),
+}
+"""The pages CI runs smaller than the user's run, and how."""
+
+
+def _run_smaller(smaller: Smaller, monkeypatch) -> list[str]:
+    """Adds ``smaller``'s keywords to the jzero functions' calls; returns the names of the
+    calls, one per call, as they are made."""
+    calls: list[str] = []
+    for name, keywords in smaller.keywords.items():
+        monkeypatch.setattr(jzero, name, _adding(getattr(jzero, name), keywords, calls))
+    return calls
+
+
+def _adding(function: Any, keywords: dict[str, Any], calls: list[str]) -> Any:
+    def call(*args, **kwargs):
+        calls.append(function.__name__)
+        return function(*args, **kwargs | keywords)
+
+    return call
 
 
 def _page_id(page: Path) -> str:
@@ -141,9 +185,12 @@ def _run_multiprocess(page: Path, block: Block, tmp_path: Path) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_page_code_runs(page, tmp_path, monkeypatch):
     """Each page's blocks in order, one namespace, in a fresh directory (checkpoints and
-    files the guides write land there)."""
+    files the guides write land there); a page of :data:`SMALLER` as CI runs it, every one
+    of its names and functions found (else CI would run the user's size)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    smaller = SMALLER.get(_page_id(page), Smaller({}, {}))
+    names, calls = dict(smaller.names), _run_smaller(smaller, monkeypatch)
     namespace = {"__name__": "__guide__"}
     ran = 0
     for block in python_blocks(page):
@@ -152,9 +199,11 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
         if "multiprocess" in block.flags:
             _run_multiprocess(page, block, tmp_path)
         else:
-            exec(_compile(page, block), namespace)  # noqa: S102
+            exec(_compile(page, block, names), namespace)  # noqa: S102
         ran += 1
     assert ran > 0
+    assert names == {}, f"{_page_id(page)} no longer assigns {sorted(names)}: update SMALLER"
+    assert set(calls) == set(smaller.keywords), f"{_page_id(page)} calls no {smaller.keywords}"
 
 
 # ----------------------------------------------------------------------- API reference

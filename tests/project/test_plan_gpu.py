@@ -3,8 +3,10 @@ chosen configuration's compiled peak within its budget and the same configuratio
 next-larger micro-batch over it, the 70 B plan within 10 minutes, every plan's process
 under 2 GB of host memory, and the generated table. The host-memory bound is also
 measured here, live, on one 70 B compile for 64 H200s in a fresh process. The plans'
-API is executed by docs/guides/plan_gpu.md (tests/project/test_docs.py)."""
+API is executed by docs/guides/plan_gpu.md (tests/project/test_docs.py), whose code is the
+user's run, made smaller by that test alone."""
 
+import ast
 import importlib.util
 import json
 import subprocess
@@ -12,6 +14,7 @@ import sys
 
 import pytest
 from _paths import REPO, WORKERS, load_script
+from test_docs import SMALLER, python_blocks
 
 COMMITTED = REPO / "benchmarks" / "gpu_plans.json"
 HOST_BOUND = 2e9  # bytes of resident memory a plan may take on the laptop
@@ -77,6 +80,27 @@ def test_the_70b_plans_figures_time_and_host_memory():
     assert user["device_bytes"] > 0 and user["collective_bytes"] > 0
     for p in plans.values():
         assert 0 < p["peak_rss_bytes"] < HOST_BOUND, p["name"]
+
+
+def test_the_guides_code_is_the_users_run_and_ci_runs_it_smaller():
+    """docs/guides/plan_gpu.md plans Llama 3's 8 B at every stage on the H100's own budget,
+    as a user runs it: no branch on the size, no keyword for CI. The test that executes
+    the page runs the tiny model at stage 1 under a small budget (``SMALLER``)."""
+    page = REPO / "docs" / "guides" / "plan_gpu.md"
+    code = "\n".join(block.code for block in python_blocks(page))
+    tree = ast.parse(code)
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.If | ast.IfExp)]
+    assert "CI" not in code
+    sizes = [n.value.value for n in tree.body if isinstance(n, ast.Assign)
+             and [getattr(t, "id", None) for t in n.targets] == ["SIZE"]]  # fmt: skip
+    assert sizes == ["8b"]
+    plans = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) == "jzero.autoconfigure"]  # fmt: skip
+    assert len(plans) == 1
+    assert {k.arg for k in plans[0].keywords} == {"batch", "tx", "config", "target"}
+    smaller = SMALLER["docs/guides/plan_gpu.md"]
+    assert smaller.names == {"SIZE": "tiny"}
+    assert set(smaller.keywords["autoconfigure"]) == {"stages", "device_budget"}
 
 
 def test_the_generated_table_has_a_row_per_plan():

@@ -42,18 +42,19 @@ def _compile_only(device: Any) -> bool:
 
 def check_runnable(mesh: Mesh, what: str) -> None:
     """Raises if ``mesh``'s devices are compile-only; ``what`` names the call that would
-    run on them (e.g. ``"ZeroOptimizer.init"``)."""
+    run on them (e.g. ``"ZeroOptimizer.init"``), and the message what takes them."""
     if is_compile_only(mesh):
         kind = mesh.devices.flat[0].device_kind
         raise RuntimeError(
             f"{what} would run on the mesh's devices, but these are compile-only GPUs from "
-            f"jzero.gpu_mesh ({mesh.devices.size} x {kind}): compile with "
-            "jax.jit(...).trace(...).lower().compile() and read its memory_analysis() and "
-            "as_text() (a ZeroOptimizer's state: fn, arg = opt.init_program(init_fn=...), "
-            "state = jax.eval_shape(fn, arg); its step: "
-            "opt.train_step(loss_fn).lower(state, batch).compile(); jzero.shard_params "
-            "takes jax.ShapeDtypeStructs and returns them sharded); to run, use a mesh of "
-            "real devices, e.g. jzero.data_mesh()."
+            f"jzero.gpu_mesh ({mesh.devices.size} x {kind}), where nothing runs. What takes "
+            "them compiles: jzero.autoconfigure(..., mesh=mesh) plans for them; a "
+            "ZeroOptimizer's state is jax.eval_shape(*opt.init_program(init_fn=...)), its "
+            "step opt.train_step(loss_fn).lower(state, batch).compile(), read by "
+            "jzero.report(step, state, batch); jzero.shard_params takes "
+            "jax.ShapeDtypeStructs and returns them sharded; any function: compile with "
+            "jax.jit(...).trace(...).lower().compile() and read its memory_analysis(). To "
+            "run, use a mesh of real devices, e.g. jzero.data_mesh()."
         )
 
 

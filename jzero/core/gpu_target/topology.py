@@ -24,20 +24,9 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 
+from .cluster import SPECS, parse_cluster
+
 logger = logging.getLogger("jzero")
-
-SPECS = {
-    "a100": "a100.txtpb",  # A100-SXM4-80GB
-    "b200": "b200.txtpb",
-    "h100": "h100.txtpb",  # H100 SXM, 80 GB HBM3
-    "h200": "h200.txtpb",
-    "v100": "v100.txtpb",  # V100-SXM2-32GB
-    "v100-16gb": "v100_16gb.txtpb",  # V100-SXM2-16GB, XLA's own v100 spec
-}
-"""The GPUs :func:`gpu_mesh` knows: name -> spec file in ``specs/``."""
-
-ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "v100-32gb": "v100"}
-"""Other names accepted for the GPUs of :data:`SPECS`."""
 
 PLUGIN = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 """The distributions of JAX's CUDA plugin; JAX loads them only at jaxlib's exact version."""
@@ -46,22 +35,16 @@ PTXAS = "nvidia-cuda-nvcc-cu12"
 """The distribution holding ``ptxas``, which XLA runs to compile every GPU kernel."""
 
 
-def gpu_names() -> tuple[str, ...]:
-    """The GPU names :func:`jzero.gpu_mesh` accepts (besides the aliases in
-    :data:`ALIASES`)."""
-    return tuple(SPECS)
-
-
 def gpu_mesh(
     gpu: str,
     *,
-    devices: int = 8,
-    hosts: int = 1,
+    devices: int | None = None,
+    hosts: int | None = None,
     axis_names: Sequence[str] = ("data",),
     shape: Sequence[int] | None = None,
 ) -> Mesh:
-    """A mesh of ``devices`` compile-only GPUs over ``hosts`` hosts, for compiling here
-    what a GPU cluster would run.
+    """A mesh of compile-only GPUs (``"h100:8"``, ``"h200:8x8"``: hosts of 8), for
+    compiling here what a GPU cluster would run.
 
     Programs over it lower and compile through XLA's GPU compiler for that GPU
     (``jax.jit(f).trace(*shapes).lower().compile()``), without the GPUs: read the
@@ -76,14 +59,18 @@ def gpu_mesh(
     devices stay usable beside it.
 
     Args:
-        gpu: one of :func:`jzero.core.gpu_target.gpu_names`, case-insensitive:
-            ``"h100"`` (SXM, 80 GB), ``"h200"``, ``"a100"`` (SXM, 80 GB), ``"b200"``,
-            ``"v100"`` (SXM2, 32 GB), ``"v100-16gb"``; or an alias, ``"h100-sxm"``,
-            ``"a100-80gb"``, ``"v100-32gb"``. The specs are XLA's
+        gpu: the GPUs, spelled as ``target=`` and ``--target`` spell them: ``"h100:8"``
+            (8 H100s on one host), ``"h100:64"`` (64 in hosts of 8), ``"h200:8x8"``
+            (HOSTSxGPUS: 8 hosts of 8); or a GPU's name alone, with ``devices=`` and
+            ``hosts=``. The names, case-insensitive: ``"h100"`` (SXM, 80 GB), ``"h200"``,
+            ``"a100"`` (SXM, 80 GB), ``"b200"``, ``"v100"`` (SXM2, 32 GB), ``"v100-16gb"``;
+            or an alias, ``"h100-sxm"``, ``"a100-80gb"``, ``"v100-32gb"``
+            (:func:`jzero.core.gpu_target.gpu_names`). The specs are XLA's
             (``jzero/core/gpu_target/specs/``).
-        devices: the number of GPUs in all.
+        devices: the number of GPUs in all, when ``gpu`` is a name alone (default 8).
         hosts: the number of hosts (nodes) they are spread over, ``devices // hosts``
-            each; it must divide ``devices``. Devices are listed host by host.
+            each; it must divide ``devices``. Default: one host up to 8 GPUs, hosts of 8
+            above, as ``"h100:64"``. Devices are listed host by host.
         axis_names: the mesh's axis names; ``("data",)`` for jzero's default mesh.
         shape: the mesh's shape, one size per axis name, multiplying to ``devices``.
             Default: ``(devices,)`` for one axis; for two, ``(hosts, devices // hosts)``,
@@ -91,7 +78,7 @@ def gpu_mesh(
             replicates across hosts (hybrid sharding, as :func:`jzero.hybrid_mesh`).
 
     Examples:
-        >>> mesh = jzero.gpu_mesh("h100", devices=64, hosts=8)
+        >>> mesh = jzero.gpu_mesh("h100:8x8")  # or ("h100:64"), ("h100", devices=64, hosts=8)
         >>> mesh.devices.size, mesh.devices.flat[0].device_kind
         (64, 'NVIDIA H100 80GB HBM3')
         >>> x = jax.ShapeDtypeStruct((4096, 4096), jnp.float32,
@@ -100,11 +87,12 @@ def gpu_mesh(
         >>> compiled.memory_analysis().output_size_in_bytes  # one row block per GPU
         1048576
     """
-    name = _gpu_name(gpu)
+    cluster = parse_cluster(gpu, devices=devices, hosts=hosts)
+    devices, hosts = cluster.devices, cluster.hosts
     shape = _mesh_shape(devices, hosts, tuple(axis_names), shape)
     _check_plugin(_versions())
     _check_platforms(jax.config.jax_platforms)
-    grid = np.array(_topology_devices(name, devices, hosts), dtype=object).reshape(shape)
+    grid = np.array(_topology_devices(cluster.gpu, devices, hosts), dtype=object).reshape(shape)
     mesh = Mesh(grid, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
     logger.info(
         "jzero.gpu_mesh: %s over %d compile-only %s GPU(s) on %d host(s)",
@@ -116,20 +104,10 @@ def gpu_mesh(
     return mesh
 
 
-def _gpu_name(gpu: str) -> str:
-    key = gpu.lower() if isinstance(gpu, str) else gpu
-    key = ALIASES.get(key, key)
-    if key not in SPECS:
-        raise ValueError(
-            f"unknown GPU {gpu!r}: jzero.gpu_mesh knows {', '.join(SPECS)} (aliases: "
-            f"{', '.join(ALIASES)}); pass one of them (case-insensitive)."
-        )
-    return key
-
-
 def device_memory_size(gpu: str) -> int:
-    """The bytes of memory one ``gpu`` has: its spec's ``device_memory_size``."""
-    name = _gpu_name(gpu)
+    """The bytes of memory one ``gpu`` (a name of :data:`.cluster.SPECS`) has: its spec's
+    ``device_memory_size``."""
+    name = parse_cluster(gpu).gpu
     spec = importlib.resources.files(__package__).joinpath("specs", SPECS[name]).read_text()
     return int(re.search(r"device_memory_size:\s*(\d+)", spec).group(1))
 
@@ -137,14 +115,6 @@ def device_memory_size(gpu: str) -> int:
 def _mesh_shape(
     devices: int, hosts: int, axis_names: tuple[str, ...], shape: Sequence[int] | None
 ) -> tuple[int, ...]:
-    for what, n in (("devices", devices), ("hosts", hosts)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"gpu_mesh: {what} must be a positive int, got {n!r}.")
-    if devices % hosts:
-        raise ValueError(
-            f"gpu_mesh(devices={devices}, hosts={hosts}): each host holds devices // hosts "
-            f"GPUs, so hosts must divide devices; e.g. devices={hosts * max(1, devices // hosts)}."
-        )
     if shape is None and len(axis_names) == 1:
         return (devices,)
     if shape is None and len(axis_names) == 2:

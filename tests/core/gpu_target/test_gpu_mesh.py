@@ -12,8 +12,11 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from _flax_models import NNXMLP, D, LinenMLP
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -98,7 +101,13 @@ def test_two_axes_default_to_one_row_per_host():
 def test_one_topology_per_cluster_whatever_the_spelling():
     a = jzero.gpu_mesh("h100").devices.flat[0]
     assert jzero.gpu_mesh("H100-SXM").devices.flat[0] is a
+    assert jzero.gpu_mesh("h100:8").devices.flat[0] is a
     assert jzero.gpu_mesh("h100", devices=16, hosts=2).devices.flat[0] is not a
+    h200s = jzero.gpu_mesh("h200:8x8")  # target=' and --target's spelling
+    for same in (jzero.gpu_mesh("h200:64"), jzero.gpu_mesh("h200", devices=64, hosts=8),
+                 jzero.gpu_mesh("h200", devices=64)):  # fmt: skip
+        assert list(same.devices.flat) == list(h200s.devices.flat)
+    assert [d.process_index for d in h200s.devices.flat] == [i // 8 for i in range(64)]
 
 
 def _loss(params, batch):
@@ -132,18 +141,54 @@ def test_a_zero_optimizer_step_compiles_for_the_gpus(stage3):
     assert shards <= compiled.memory_analysis().argument_size_in_bytes < shards + 64  # scalars
 
 
-def test_running_on_the_gpus_is_refused(stage3):
-    opt, state, batch = stage3
-    fix = "compile with jax.jit(...).trace(...).lower().compile()"
-    with pytest.raises(RuntimeError, match=r"ZeroOptimizer.init would run .* compile-only GPUs"):
-        opt.init(init_fn=_init)
-    with pytest.raises(RuntimeError, match=re.escape(fix)):
-        opt.train_step(_loss)(state, batch)
-    tx = jzero.shard_optimizer(optax.adam(1e-3), opt.mesh, stage=1)
-    with pytest.raises(RuntimeError, match=re.escape("jzero.shard_optimizer(...).init")):
-        tx.init(_init())
-    with pytest.raises(RuntimeError, match=re.escape("jzero.shard_params would run")):
-        jzero.shard_params(_init(), opt.mesh)
+@pytest.mark.parametrize("gpus", ["h100:8", "h200:8x8"])
+def test_running_on_the_gpus_is_refused_before_any_work(gpus, tmp_path):
+    """Every public entry that would run on the mesh's devices (place, step, read or write
+    arrays, measure) refuses compile-only GPUs before it starts, naming what takes them:
+    jzero.autoconfigure plans for them (tests/autoconfig/test_target.py), a step compiles
+    for them (above). No compile here."""
+    mesh = jzero.gpu_mesh(gpus)
+    opt = jzero.ZeroOptimizer(optax.adam(1e-3), mesh, stage=3)
+    state = jax.eval_shape(*opt.init_program(init_fn=_init))
+    batch = {"x": _rows(mesh, (64, 256)), "y": _rows(mesh, (64, 16))}
+    sharded = jzero.shard_optimizer(optax.adam(1e-3), mesh, stage=1)
+    ckpt = jzero.Checkpointer(tmp_path / "ckpt")
+    refused = {
+        "ZeroOptimizer.init": lambda: opt.init(init_fn=_init),
+        "TrainStep.__call__": lambda: opt.train_step(_loss)(state, batch),
+        "ZeroOptimizer.full_params": lambda: opt.full_params(state),
+        "ZeroOptimizer.full_state": lambda: opt.full_state(state),
+        "jzero.shard_optimizer(...).init": lambda: sharded.init(_init()),
+        "jzero.shard_params": lambda: jzero.shard_params(_init(), mesh),
+        "jzero.Checkpointer.save": lambda: ckpt.save(0, state, force=True),
+        "jzero.Checkpointer.restore": lambda: ckpt.restore(opt, jax.eval_shape(_init)),
+        "jzero.checkpoint.export_safetensors": lambda: jzero.checkpoint.export_safetensors(
+            opt, state, tmp_path / "model.safetensors"
+        ),
+        "jzero.distributed.global_batch": lambda: jzero.distributed.global_batch(
+            mesh, {"x": np.zeros((64, 256), np.float32)}
+        ),
+    }
+    for what, call in refused.items():
+        with pytest.raises(RuntimeError, match=re.escape(f"{what} would run")) as e:
+            call()
+        assert f"compile-only GPUs from jzero.gpu_mesh ({mesh.devices.size} x " in str(e.value)
+        assert "jzero.autoconfigure(..., mesh=mesh) plans for them" in str(e.value)
+        assert "jax.jit(...).trace(...).lower().compile()" in str(e.value)
+    with pytest.raises(ValueError, match=r"compile-only GPUs \(jzero.gpu_mesh\), where nothing"):
+        jzero.autoconfig.calibrate(mesh)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    model, variables = NNXMLP(nnx.Rngs(0)), LinenMLP().init(jax.random.key(0), jnp.zeros((1, D)))
+    flax_entries = [  # the Flax train states and nnx.Optimizer place through the calls above
+        lambda: jzero.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param, mesh=mesh, stage=3),
+        lambda: jzero.nnx.TrainState.create(model, tx=optax.adam(1e-3), mesh=mesh, stage=1),
+        lambda: jzero.linen.TrainState.create(
+            apply_fn=LinenMLP().apply, variables=variables, tx=optax.adam(1e-3), mesh=mesh, stage=2
+        ),
+    ]
+    for call in flax_entries:
+        with pytest.raises(RuntimeError, match="would run on the mesh's devices, but these are"):
+            call()
 
 
 def test_offload_is_refused_on_the_gpus():

@@ -1,5 +1,7 @@
-"""``jzero.gpu_mesh``'s errors, each naming the fix. None needs the CUDA plugin: the
-installed versions and JAX's platforms are read through functions these tests replace."""
+"""``jzero.gpu_mesh``'s spelling of a cluster (shared with ``target=`` and ``--target``) and
+its errors, each naming the fix. None needs the CUDA plugin: a spelling is read before the
+plugin is, and the installed versions and JAX's platforms are read through functions these
+tests replace."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 
 import jzero
 from jzero.core.gpu_target import topology
+from jzero.core.gpu_target.cluster import FORMS, Cluster, parse_cluster
 
 INSTALLED = {
     "jaxlib": "0.12.0.1",
@@ -23,9 +26,40 @@ INSTALLED = {
 PINS = "pip install 'jzero[gpu-compile]' 'jax-cuda12-plugin==0.12.0.1' 'jax-cuda12-pjrt==0.12.0.1'"
 
 
-def test_an_unknown_gpu_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown GPU 'h800': jzero.gpu_mesh knows a100, b200"):
-        jzero.gpu_mesh("h800")
+@pytest.mark.parametrize(
+    "spelled, keywords, cluster",
+    [("h100:8", {}, ("h100", 1, 8)), ("h100", {"devices": 8}, ("h100", 1, 8)),
+     ("h100", {}, ("h100", 1, 8)), ("h200:8x8", {}, ("h200", 8, 64)),
+     ("h200:64", {}, ("h200", 8, 64)), ("h200", {"devices": 64}, ("h200", 8, 64)),
+     ("H200", {"devices": 64, "hosts": 8}, ("h200", 8, 64)), ("V100-32GB:4", {}, ("v100", 1, 4)),
+     ("b200:2x4", {}, ("b200", 2, 8)), ("a100", {"devices": 16, "hosts": 1}, ("a100", 1, 16))],
+)  # fmt: skip
+def test_one_spelling_of_a_cluster(spelled, keywords, cluster):
+    """ "h100:8" and "h200:8x8", or a name with devices= / hosts=: what gpu_mesh, target= and
+    --target all read (hosts of 8 above 8 GPUs, unless hosts= says otherwise)."""
+    assert parse_cluster(spelled, **keywords) == Cluster(*cluster)
+    assert Cluster(*cluster).name == f"{cluster[0]}:{cluster[1]}x{cluster[2] // cluster[1]}"
+
+
+@pytest.mark.parametrize(
+    "spelled, keywords, message",
+    [("h800", {}, r"unknown GPU 'h800': jzero.gpu_mesh knows a100, b200, h100, h200, v100"),
+     ("x100:8", {}, r"unknown GPU 'x100' in 'x100:8': jzero.gpu_mesh knows a100"),
+     ("h100 64", {}, r"GPUs 'h100 64' are not spelled as jzero knows: write 'h100:8'"),
+     ("h100:12", {}, r"12 GPUs do not split into hosts of 8; say the hosts, e\.g\. 'h100:2x6'"),
+     ("h100", {"devices": 12}, r"12 GPUs do not split into hosts of 8; say the hosts"),
+     ("h100:8", {"devices": 16}, r"'h100:8' already says how many GPUs; give the count once"),
+     ("h200:8x8", {"hosts": 8}, r"already says how many GPUs"),
+     ("h100:0", {}, r"'h100:0' has no GPUs; write 'h100:8'")],
+)  # fmt: skip
+def test_a_misspelled_cluster_lists_the_forms(spelled, keywords, message):
+    """Refused before the plugin is read, by gpu_mesh as by the parser, with the forms."""
+    with pytest.raises(ValueError, match=message) as e:
+        jzero.gpu_mesh(spelled, **keywords)
+    if "not spelled" in message or "unknown" in message or "no GPUs" in message:
+        assert FORMS in str(e.value)
+    with pytest.raises(ValueError, match=message):
+        parse_cluster(spelled, **keywords)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +67,7 @@ def test_an_unknown_gpu_lists_the_known_ones():
     [
         ({"devices": 0}, "devices must be a positive int, got 0"),
         ({"devices": 12, "hosts": 8}, r"hosts must divide devices; e.g. devices=8"),
+        ({"hosts": 0}, "hosts must be a positive int, got 0"),
         ({"axis_names": ("a", "b", "data")}, r"needs shape=, one size per axis"),
         ({"axis_names": ("data", "model"), "shape": (4, 4)}, r"shape \(4, 4\) does not fit"),
     ],
