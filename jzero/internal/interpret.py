@@ -184,12 +184,14 @@ def bind(eqn: Equation, args: Sequence[Any], params: dict[str, Any] | None = Non
     return list(out) if prim.multiple_results else [out]
 
 
-def bind_in_context(eqn: Equation, args: Sequence[Any]) -> list:
-    """:func:`bind`, in ``eqn``'s own context (its abstract mesh, ``compute_on``, XLA
-    metadata): for a rule that binds an equation later, outside :func:`evaluate` (e.g.
-    again in a backward pass)."""
+def bind_in_context(
+    eqn: Equation, args: Sequence[Any], params: dict[str, Any] | None = None
+) -> list:
+    """:func:`bind` (with ``params``, default the equation's own), in ``eqn``'s own context
+    (its abstract mesh, ``compute_on``, XLA metadata): for a rule that binds an equation
+    later, outside :func:`evaluate` (e.g. again in a backward pass, or ``jax.vmap``-ed)."""
     with eqn.jaxpr_eqn.ctx.manager:
-        return bind(eqn, args)
+        return bind(eqn, args, params)
 
 
 def binding_key(eqn: Equation) -> Hashable | None:

@@ -31,7 +31,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from .equation import Equation
-from .interpret import _literal_key, bind, binding_key, inline_calls
+from .interpret import _literal_key, bind_in_context, binding_key, inline_calls
 from .mixed_axes import equation_mixes
 from .moved import InternalMoved
 from .primitives import Kind
@@ -267,8 +267,8 @@ class _Run:
         eqn = self.b.jaxpr.jaxpr.eqns[e]
         p = self.b.private.get(e)
         if p is None or not p.batched:
-            with eqn.ctx.manager:
-                outs = bind(Equation(eqn), [self.value(v) for v in eqn.invars], _rolled(eqn))
+            args = [self.value(v) for v in eqn.invars]
+            outs = bind_in_context(Equation(eqn), args, _rolled(eqn))
             self.env.update(zip(eqn.outvars, outs))
             return
         if (p.bucket, p.keys[0]) not in self.stacks:
@@ -283,9 +283,8 @@ class _Run:
             stacked = self.stacked(p.bucket, v, k)
             operands.append(self.value(v) if stacked is None else stacked)
             axes.append(None if stacked is None else 0)
-        body = lambda *xs: bind(Equation(eqn), list(xs), _rolled(eqn))
-        with eqn.ctx.manager:
-            outs = jax.vmap(body, in_axes=axes)(*operands)
+        body = lambda *xs: bind_in_context(Equation(eqn), list(xs), _rolled(eqn))
+        outs = jax.vmap(body, in_axes=axes)(*operands)
         for k, out in zip(p.keys, outs):
             self.stacks[(p.bucket, k)] = out
 

@@ -21,8 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero.accounting import comm_bytes
-from jzero.accounting.hlo import dot_flops
+from jzero.accounting import comm_bytes, dot_flops
 
 sys.path.insert(0, str(EXAMPLES))
 import gpt  # noqa: E402  (examples/gpt.py)
