@@ -65,7 +65,7 @@ bash scripts/venv.sh .venv-oldest =3.12  # the GPU image's Python minor
     tests/internal/test_mixed_axes.py \
     "tests/core/test_matrix_optimizers.py::test_each_step_is_single_device_optax[muon-1]" \
     "tests/core/test_matrix_optimizers.py::test_each_step_is_single_device_optax[muon_scanned-3]" \
-    "tests/core/test_matrix_optimizers.py::test_muon_moves_zero_bytes_and_its_share_of_the_flops[3-unrolled-user]" \
+    "tests/core/test_matrix_optimizer_costs.py::test_muon_moves_zero_bytes_and_its_share_of_the_flops[3-unrolled-user]" \
     "$@"
 # test_gpu_check's fast tests. Its dry run (every part at tiny sizes, 13 minutes of 2
 # cores) is `extended`: scripts/test.sh -m '' runs it, on the newest versions.
