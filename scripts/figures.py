@@ -450,6 +450,26 @@ def compile_time_md(runs: list[dict[str, Any] | None]) -> str:
     return "\n\n".join(parts) or "No compile-time JSON is committed yet."
 
 
+def matrices_md(mat: dict[str, Any] | None) -> str:
+    """Muon against AdamW on the example GPT (``bench.py --matrices``), after and before
+    jzero updated matrix optimizers on whole matrices: Muon's ratios to AdamW's bytes,
+    peak and step time, and its Newton-Schulz FLOPs per device over 1/N of the total."""
+    if mat is None:
+        return "No matrix-optimizer JSON is committed yet."
+    earlier = mat.get("before", {}).get("matrices", [])
+    before = {(r["model"], r["api"], r["stage"]): r for r in earlier}
+    rows = [("model", "step", "stage", "bytes x AdamW", "peak x AdamW", "NS FLOPs x 1/N",
+             "time x AdamW")]  # fmt: skip
+    keys = ("comm_ratio", "peak_ratio", "newton_schulz_share", "step_time_ratio")
+    for r in mat["matrices"]:
+        b = before.get((r["model"], r["api"], r["stage"]))
+        cells = [(f"{b[k]:.2f} -> " if b else "") + f"{r[k]:.2f}" for k in keys]
+        api = "jzero's" if r["api"] == "zero" else "user's"
+        rows.append((r["model"], api, str(r["stage"]), *cells))
+    head = f"{mat['model']['name']}, {mat['platform']} x {mat['devices']}, jax {mat['jax']}"
+    return f"{head}; before -> after:\n\n{_md_table(rows)}\n\n{mat.get('note', '')}".rstrip()
+
+
 def accuracy_md(acc: dict[str, Any] | None) -> str:
     """Final-loss differences over seeds (``scripts/accuracy.py``), or a note when absent."""
     if acc is None:
@@ -907,6 +927,7 @@ def generate(out: Path) -> list[Path]:
             [_read(BENCH / "compile_time_cpu8.json"), _read(BENCH / "compile_time_h200.json")]
         ),
         "accuracy.md": accuracy_md(_read(BENCH / "accuracy_cpu8.json")),
+        "matrices.md": matrices_md(_read(BENCH / "matrices_cpu8.json")),
         "frozen_peer.md": frozen_peer_md(_read(BENCH / "frozen_peer_trials.json")),
         "autoconfig.md": autoconfig_md(_read(BENCH / "autoconfig_cpu8.json")),
         "main_job.md": main_job_md(_read(MAIN_JOB.with_suffix(".json")), main_job_png),

@@ -39,7 +39,7 @@ from .options.zero_config import ZeroConfig
 from .plan import Pending, Plan, ZeroState
 from .step_count import StepCount
 from .stored_form import constrain, store, to_device, to_host, typed_state
-from .updaters import Updater, make_updater, off_owners
+from .updaters import Updater, make_updater
 from .weighted import CountWatch, Weighted, check_delayable, counted, divisor, skip_uncounted
 
 Metrics = dict[str, Any]
@@ -315,8 +315,6 @@ def _update(update: Updater, state: ZeroState, grads: Gradients, finite) -> Zero
     params, opt_state, master = update(plan, grads, state.opt_state, weights, finite)
     if plan.config.partitions_opt_state and not plan.config.partitions_params:
         params = _all_gather_params(plan, params, state.params)
-    elif plan.config.partitions_params:
-        params = off_owners(plan, params)
     params = constrain(plan, store(params, plan.params), plan.params)
     return state.replace(params=params, opt_state=opt_state, master=master)
 

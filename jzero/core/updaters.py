@@ -7,9 +7,10 @@
 - ``host``: the update runs on the host (:func:`.offload.host_step.host_update`).
 
 :func:`make_updater` picks one from the configuration when the step is built; the step
-calls it once per step. Each returns the new parameters (true shapes, on the device, in
-:attr:`Plan.update_layouts`: a mixing leaf's along its owner axis, :mod:`.update_layout`),
-the stored Optax state and the stored master weights (None without).
+calls it once per step. Each returns the new parameters (true shapes, on the device; at
+stages 1-2 a mixing leaf's along its owner axis, :attr:`Plan.update_layouts`, which the
+all-gather starts from; at stage 3 where they rest), the stored Optax state and the stored
+master weights (None without).
 """
 
 from __future__ import annotations
@@ -100,8 +101,11 @@ def onto_owners(plan: Plan, tree: Any, stored: tuple[Stored, ...]) -> Any:
 
 
 def off_owners(plan: Plan, tree: Any) -> Any:
-    """Stage 3's updated parameters (true shapes, in :attr:`Plan.update_layouts`) back in
-    their stored layouts: one all-to-all per mixing leaf."""
+    """Stage 3's updates or updated parameters (true shapes, in
+    :attr:`Plan.update_layouts`) in their stored layouts: one all-to-all per mixing leaf
+    with an owner layout. Without master weights the updates go there and are applied to
+    the parameters where they rest (the parameters never move to the owner layout unless
+    the update reads them: its peak at stage 3 is then AdamW's)."""
     if not any(plan.owner_layouts):
         return tree
     dst = [s.layout for s in plan.params]
@@ -115,13 +119,18 @@ def device_update(step: UpdateInputs) -> tuple[Any, Any, Any]:
     old = view(to_device(plan, weights, stored), stored)
     old_state = view(opt_state, plan.opt)
     averaged = onto_owners(plan, grads.averaged, plan.opt_like)
-    old = onto_owners(plan, old, stored)
-    updates, opt_state = stacked(plan, tx)(averaged, old_state, old)
-    master = optax.apply_updates(old, updates)
-    master = keep_if_finite(finite, master, old)  # the old values where the step is skipped
+    held = onto_owners(plan, old, stored)  # moved only where the update reads it
+    updates, opt_state = stacked(plan, tx)(averaged, old_state, held)
+    resting = plan.master is None and plan.config.partitions_params
+    if resting:  # stage 3's parameters: the updates go to where they rest
+        updates, held = off_owners(plan, updates), old
+    master = optax.apply_updates(held, updates)
+    master = keep_if_finite(finite, master, held)  # the old values where the step is skipped
     opt_state = keep_if_finite(finite, opt_state, old_state)
     opt_state = constrain(plan, store(opt_state, plan.opt), plan.opt)
     params = precision.cast(master)
     if plan.master is None:
         return params, opt_state, None
+    if plan.config.partitions_params:  # stage 3: from the masters' owner layout
+        params = off_owners(plan, params)
     return params, opt_state, constrain(plan, store(master, plan.master), plan.master)
