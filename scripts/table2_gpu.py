@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "jax": jax.__version__,
         "jaxlib": importlib.metadata.version("jaxlib"),
-        "cuda_plugin": importlib.metadata.version("jax-cuda12-plugin"),
+        "cuda_plugin": _plugin_version(),
         "quick": args.quick,
         "memory_formula": MEMORY_FORMULA,
         "budget_fraction": args.fraction,
@@ -387,3 +387,13 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _plugin_version() -> str:
+    """JAX's CUDA plugin that compiled: CUDA 13's, or CUDA 12's (jax <= 0.12.0.1)."""
+    for dist in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"

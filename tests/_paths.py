@@ -24,3 +24,20 @@ def load_script(name: str):
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_plugin() -> str:
+    """The module of JAX's CUDA plugin installed here: CUDA 13's (jax 0.12.1 ships no
+    other), else CUDA 12's (the gpu-compile extra's); CUDA 13's name where none is (a test
+    needing it then skips)."""
+    import importlib.util
+
+    found = [
+        m
+        for m in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+        if importlib.util.find_spec(m)
+    ]
+    return found[0] if found else "jax_plugins.xla_cuda13"
+
+
+GPU_PLUGIN = _gpu_plugin()

@@ -178,8 +178,9 @@ def _copy_rate(mesh: Mesh, repeats: int) -> float:
     if "pinned_host" not in [m.kind for m in device.addressable_memories()]:
         return float("inf")  # nothing can be offloaded here; the term never applies
     x = jax.device_put(jnp.ones(_COPY_BYTES // 4, jnp.float32), device)
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    back = jax.sharding.SingleDeviceSharding(device)
+    one = jax.sharding.Mesh(np.array([device]), ("one",))  # not SingleDeviceSharding:
+    host = jax.sharding.NamedSharding(one, P(), memory_kind="pinned_host")  # jax 0.12.1
+    back = jax.sharding.NamedSharding(one, P())  # deprecates it
     return 2 * _COPY_BYTES / _best(lambda: jax.device_put(jax.device_put(x, host), back), repeats)
 
 

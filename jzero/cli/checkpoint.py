@@ -61,7 +61,8 @@ def _open(args: argparse.Namespace) -> tuple[Checkpointer, int, dict[str, Any]]:
 
 
 def _read_leaf(ckpt: Checkpointer, step: int, name: str, info: dict[str, Any]) -> jax.Array:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",))  # jax 0.12.1 deprecates
+    device = jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec())  # SingleDevice...
     target = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=device)
     return ckpt.read(step, {name: target})[name]
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _paths import GPU_PLUGIN
 
 import jzero
 from jzero.autoconfig.search import COMPILE_ONLY_MESH_NOTE
@@ -24,7 +25,7 @@ from jzero.autoconfig.target import parse_target, target_budget
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
-PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+PLUGIN = importlib.util.find_spec(GPU_PLUGIN) is not None
 needs_plugin = pytest.mark.skipif(not PLUGIN, reason="needs jzero[gpu-compile]")
 CFG = gpt.GPTConfig(vocab_size=512, seq_len=32, d_model=128, n_heads=2, n_layers=2)
 BATCH = {"tokens": jax.ShapeDtypeStruct((16, CFG.seq_len + 1), jnp.int32)}

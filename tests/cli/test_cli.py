@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from _paths import EXAMPLES
+from _paths import EXAMPLES, GPU_PLUGIN
 
 import jzero.accounting.estimate as E
 from jzero.cli.main import main
@@ -323,9 +323,7 @@ def test_autoconfigure_help_says_what_the_factory_returns(capsys):
     )
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None, reason="needs jzero[gpu-compile]"
-)
+@pytest.mark.skipif(importlib.util.find_spec(GPU_PLUGIN) is None, reason="needs jzero[gpu-compile]")
 @pytest.mark.xdist_group("h100_plans")
 def test_autoconfigure_plans_for_gpus_that_are_not_here(capsys):
     argv = ["autoconfigure", GPT, *TINY, "--set", "batch=16", "--stages", "2", "--target"]

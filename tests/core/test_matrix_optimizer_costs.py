@@ -13,7 +13,7 @@ import jax
 import optax
 import pytest
 from _matrices import OPTIMIZERS, batches, model
-from _paths import EXAMPLES
+from _paths import EXAMPLES, GPU_PLUGIN
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,7 +23,7 @@ from jzero.accounting import comm_bytes, dot_flops
 sys.path.insert(0, str(EXAMPLES))
 import gpt  # noqa: E402  (examples/gpt.py)
 
-PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+PLUGIN = importlib.util.find_spec(GPU_PLUGIN) is not None
 
 
 def _compiled(api: str, tx, stage: int, scanned: bool):

@@ -289,7 +289,9 @@ def test_figures_are_generated_from_the_committed_json(tmp_path):
     tag = figures.source_tag(ROOT / "benchmarks" / "bench_cpu8.json")
     assert _png_text(tmp_path / "stages_cpu8.png")["Source"] == tag
     matrices = json.loads((ROOT / "benchmarks" / "matrices_cpu8.json").read_text())["matrices"]
-    cells = [row[3].split(" -> ")[-1] for row in _table_rows((tmp_path / "matrices.md").read_text())]
+    cells = [
+        row[3].split(" -> ")[-1] for row in _table_rows((tmp_path / "matrices.md").read_text())
+    ]
     assert cells == [f"{r['comm_ratio']:.2f}" for r in matrices]
 
 

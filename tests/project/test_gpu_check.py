@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from _paths import REPO
+from _paths import GPU_PLUGIN, REPO
 
 ROOT = REPO
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -126,7 +126,7 @@ def test_dry_run_agreement_compiles_for_compile_only_h200s_beside_the_cpu(dry_ru
     assert [t["name"] for t in agreement["targets"]] == [
         f"agreement zero{s} memory{tail}" for s in (0, 3) for tail in tails
     ]
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:  # no GPU compiler here
+    if importlib.util.find_spec(GPU_PLUGIN) is None:  # no GPU compiler here
         assert all("could not describe" in t["reason"] for t in agreement["targets"])
         return
     assert agreement["compile_only_kind"].startswith("NVIDIA H200")

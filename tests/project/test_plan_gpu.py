@@ -13,14 +13,14 @@ import subprocess
 import sys
 
 import pytest
-from _paths import REPO, WORKERS, load_script
+from _paths import GPU_PLUGIN, REPO, WORKERS, load_script
 from test_docs import SMALLER, python_blocks
 
 COMMITTED = REPO / "benchmarks" / "gpu_plans.json"
 HOST_BOUND = 2e9  # bytes of resident memory a plan may take on the laptop
 MINUTES_70B = 10
 needs_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None, reason="needs jzero[gpu-compile]"
+    importlib.util.find_spec(GPU_PLUGIN) is None, reason="needs jzero[gpu-compile]"
 )
 
 

@@ -6,7 +6,7 @@ with its own figures (the full search is not re-run here)."""
 import json
 
 import pytest
-from _paths import REPO, load_script
+from _paths import GPU_PLUGIN, REPO, load_script
 
 COMMITTED = REPO / "benchmarks" / "table2_gpu.json"
 TOP_FIELDS = {
@@ -75,7 +75,7 @@ def check_consistent(result: dict) -> None:
 @pytest.mark.extended
 def test_quick_run_writes_a_consistent_search(tmp_path):
     pytest.importorskip(
-        "jax_plugins.xla_cuda12",
+        GPU_PLUGIN,
         reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
         "'jax-cuda12-plugin==V' 'jax-cuda12-pjrt==V' (V = jaxlib's version)",
     )

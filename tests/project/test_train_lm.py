@@ -415,7 +415,8 @@ def saved(directory, step):
     """Checkpoint ``step``'s ``extra`` and all its arrays (true shapes, on one device)."""
     ckpt = jzero.Checkpointer(directory)
     meta = ckpt.metadata(step)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",))  # jax 0.12.1 deprecates
+    one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # SingleDevice...
     targets = {
         name: jax.ShapeDtypeStruct(tuple(leaf["shape"]), leaf["dtype"], sharding=one)
         for name, leaf in meta["leaves"].items()

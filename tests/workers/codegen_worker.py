@@ -57,7 +57,7 @@ def trained(mesh) -> list:
 def figures() -> dict:
     """The CPU compile's figures, and the GPU compile's where JAX's CUDA plugin is here."""
     out = {"cpu": _figures(jax.make_mesh((8,), ("data",)))}
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+    if any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in ("13", "12")):
         out["gpu"] = _figures(jzero.gpu_mesh("h200", devices=8))
     return out
 

@@ -28,11 +28,13 @@ from .cluster import SPECS, parse_cluster
 
 logger = logging.getLogger("jzero")
 
-PLUGIN = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
-"""The distributions of JAX's CUDA plugin; JAX loads them only at jaxlib's exact version."""
-
-PTXAS = "nvidia-cuda-nvcc-cu12"
-"""The distribution holding ``ptxas``, which XLA runs to compile every GPU kernel."""
+CUDA = {  # CUDA major -> JAX's CUDA plugin distributions, and ptxas' distribution
+    "12": (("jax-cuda12-plugin", "jax-cuda12-pjrt"), "nvidia-cuda-nvcc-cu12"),
+    "13": (("jax-cuda13-plugin", "jax-cuda13-pjrt"), "nvidia-cuda-nvcc"),
+}
+"""JAX's CUDA plugins: CUDA 12's, which the gpu-compile extra installs, or CUDA 13's
+(the only one jax 0.12.1 ships; compiling for compile-only GPUs with it was checked by
+hand on jax 0.12.1). Either at jaxlib's exact version."""
 
 
 def gpu_mesh(
@@ -149,15 +151,22 @@ def _topology_devices(name: str, devices: int, hosts: int) -> tuple[jax.Device, 
 
 
 def _versions() -> dict[str, str | None]:
-    """The installed versions of jaxlib, the CUDA plugin and ptxas' distribution (None:
+    """The installed versions of jaxlib, the CUDA plugins and ptxas' distributions (None:
     not installed)."""
     out = {}
-    for dist in ("jaxlib", *PLUGIN, PTXAS):
+    for dist in ("jaxlib", *(d for plugin, ptxas in CUDA.values() for d in (*plugin, ptxas))):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+def _cuda(versions: dict[str, str | None]) -> tuple[tuple[str, str], str]:
+    """The CUDA plugin (and ptxas) in use: the one installed (CUDA 12's if both are);
+    CUDA 12's where none is (what the gpu-compile extra installs)."""
+    installed = [c for c, (plugin, _) in CUDA.items() if versions.get(plugin[0])]
+    return CUDA[installed[0] if installed else "12"]
 
 
 def _install_hint(jaxlib: str) -> str:
@@ -169,14 +178,15 @@ def _install_hint(jaxlib: str) -> str:
 
 def _check_plugin(versions: dict[str, str | None]) -> None:
     jaxlib = versions["jaxlib"]
-    missing = [d for d in (*PLUGIN, PTXAS) if versions[d] is None]
+    plugin, ptxas = _cuda(versions)
+    missing = [d for d in (*plugin, ptxas) if versions.get(d) is None]
     if missing:
         raise ImportError(
             f"jzero.gpu_mesh compiles with XLA's GPU compiler, from JAX's CUDA plugin and "
             f"ptxas, and {', '.join(missing)} is not installed. Install the gpu-compile "
             f"extra with the plugin at jaxlib's version ({jaxlib}): {_install_hint(jaxlib)}"
         )
-    wrong = {d: versions[d] for d in PLUGIN if versions[d] != jaxlib}
+    wrong = {d: versions[d] for d in plugin if versions[d] != jaxlib}
     if wrong:
         found = ", ".join(f"{d} {v}" for d, v in wrong.items())
         raise ImportError(

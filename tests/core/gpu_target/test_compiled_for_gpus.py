@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _paths import load_script
+from _paths import GPU_PLUGIN, load_script
 
 import jzero
 
@@ -25,7 +25,7 @@ import jzero
 pytestmark = pytest.mark.every_case
 
 pytest.importorskip(
-    "jax_plugins.xla_cuda12",
+    GPU_PLUGIN,
     reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
     "'jax-cuda12-plugin==V' 'jax-cuda12-pjrt==V' (V = jaxlib's version)",
 )

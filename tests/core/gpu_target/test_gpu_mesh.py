@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from _flax_models import NNXMLP, D, LinenMLP
+from _paths import GPU_PLUGIN
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,7 +25,7 @@ import jzero
 from jzero.core.gpu_target import gpu_names, is_compile_only
 
 pytest.importorskip(
-    "jax_plugins.xla_cuda12",
+    GPU_PLUGIN,
     reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
     "'jax-cuda12-plugin==V' 'jax-cuda12-pjrt==V' (V = jaxlib's version)",
 )

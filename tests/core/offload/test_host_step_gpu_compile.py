@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _paths import GPU_PLUGIN
 
 import jzero
 from jzero.internal.cross_compile import compile_for
 
 pytest.importorskip(
-    "jax_plugins.xla_cuda12",
+    GPU_PLUGIN,
     reason="needs JAX's CUDA plugin: pip install 'jzero[gpu-compile]' "
     "'jax-cuda12-plugin==V' 'jax-cuda12-pjrt==V' (V = jaxlib's version)",
 )
