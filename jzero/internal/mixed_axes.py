@@ -212,6 +212,8 @@ class _Pass:
                 cond = eqn.cond(ins)
                 results = [self.run(b, cond.operands) for b in cond.branches]
                 return [_elementwise(list(r), len(r[0])) for r in zip(*results)]
+        except InternalMoved:  # the whole analysis falls back (update_layout warns)
+            raise
         except Exception:  # noqa: BLE001 -- a body this pass cannot read: be conservative
             pass
         return self.unknown(ins, outs)

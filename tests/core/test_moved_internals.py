@@ -189,8 +189,20 @@ def _offload_loss(p, batch):
 def test_a_split_that_cannot_inline_calls_runs_the_update_whole(monkeypatch, mode):
     rename_param(monkeypatch, "jit", "jaxpr", "body")  # Adam's bias correction is a jit
     opt = _stage3(offload=jzero.Offload(optimizer=mode))
-    with pytest.warns(InternalMovedWarning, match=r"jit's parameter 'jaxpr'.*one bucket"):
+    with pytest.warns(InternalMovedWarning) as warned:
         _assert_optax(opt, _offload_params(), _offload_loss)
+    said = [str(w.message) for w in warned]
+    assert any(re.search(r"jit's parameter 'jaxpr'.*one bucket", m) for m in said), said
+    # the matrix optimizers' reading of the update falls back too, every leaf as stored
+    assert any(m.startswith("matrix optimizers on whole matrices") for m in said), said
+
+
+def test_an_update_whose_calls_cannot_be_read_keeps_every_leaf_as_stored(monkeypatch):
+    rename_param(monkeypatch, "jit", "jaxpr", "body")
+    opt = jzero.ZeroOptimizer(optax.contrib.muon(1e-2), jzero.data_mesh(), stage=1)
+    with pytest.warns(InternalMovedWarning, match=r"matrix optimizers on whole matrices: JAX"):
+        plan = opt.plan(_params())
+    assert plan.matrices is None and "?" in plan.describe()
 
 
 def test_a_missing_elementwise_primitive_streams_whole_leaves(monkeypatch):
