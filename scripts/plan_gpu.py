@@ -54,6 +54,7 @@ from jzero.accounting import collectives, comm_bytes  # noqa: E402
 from jzero.accounting.memory_spaces import of_compiled  # noqa: E402
 from jzero.autoconfig.target import target_mesh  # noqa: E402
 from jzero.cli.autoconfigure import to_json  # noqa: E402
+from jzero.core.gpu_target.topology import cuda_plugin  # noqa: E402
 
 
 class Plan(NamedTuple):
@@ -188,7 +189,7 @@ def run(plans: tuple[Plan, ...], quick: bool, log) -> dict[str, Any]:
     return {
         "jax": jax.__version__,
         "jaxlib": importlib.metadata.version("jaxlib"),
-        "cuda_plugin": _plugin_version(),
+        "cuda_plugin": cuda_plugin(),
         "quick": quick,
         "model": "examples/llama.py (Flax NNX; bf16 parameters, fp32 master weights and "
         "AdamW moments; every layer rematerialised)",
@@ -212,13 +213,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
-
-
-def _plugin_version() -> str:
-    """JAX's CUDA plugin that compiled: CUDA 13's, or CUDA 12's (jax <= 0.12.0.1)."""
-    for dist in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
-        try:
-            return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "none"

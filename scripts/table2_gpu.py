@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from max_model import largest_fitting  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero.core.gpu_target.topology import device_memory_size  # noqa: E402
+from jzero.core.gpu_target.topology import cuda_plugin, device_memory_size  # noqa: E402
 
 MEMORY_FORMULA = (
     "argument + output - alias + temp (compiled.memory_analysis(), bytes per device: "
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "jax": jax.__version__,
         "jaxlib": importlib.metadata.version("jaxlib"),
-        "cuda_plugin": _plugin_version(),
+        "cuda_plugin": cuda_plugin(),
         "quick": args.quick,
         "memory_formula": MEMORY_FORMULA,
         "budget_fraction": args.fraction,
@@ -387,13 +387,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _plugin_version() -> str:
-    """JAX's CUDA plugin that compiled: CUDA 13's, or CUDA 12's (jax <= 0.12.0.1)."""
-    for dist in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
-        try:
-            return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "none"

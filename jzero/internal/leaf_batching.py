@@ -57,7 +57,6 @@ class Batching:
     slots: dict[tuple[int, Key], list[Var]]  # (bucket, key) -> the variable of each leaf
     inputs: dict[tuple[int, Key], list[int]]  # (bucket, ('in', role)) -> each leaf's input
     stacked: set[tuple[int, Key]]  # the (bucket, key)s only a stack holds
-    sizes: list[int]  # leaves per bucket
 
 
 def plan_batching(
@@ -119,7 +118,7 @@ def _plan(fn: Callable[..., Any], args: Sequence[Any], groups: Sequence) -> Batc
         return None
     private = {e: p for e, p in private.items() if p.bucket not in failed}
     on_stack = {(p.bucket, k) for p in private.values() if p.batched for k in p.keys}
-    return Batching(jaxpr, private, slots, inputs, on_stack, [len(g) for g in groups])
+    return Batching(jaxpr, private, slots, inputs, on_stack)
 
 
 def _base_key(eqn: Any) -> Key | None:

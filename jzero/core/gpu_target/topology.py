@@ -169,6 +169,14 @@ def _cuda(versions: dict[str, str | None]) -> tuple[tuple[str, str], str]:
     return CUDA[installed[0] if installed else "12"]
 
 
+def cuda_plugin() -> str:
+    """JAX's CUDA plugin compiles go through, with its version (for a run's record), e.g.
+    ``"jax-cuda12-plugin 0.12.0.1"``; ``"none"`` where none is installed."""
+    versions = _versions()
+    plugin = _cuda(versions)[0][0]
+    return f"{plugin} {versions[plugin]}" if versions.get(plugin) else "none"
+
+
 def _install_hint(jaxlib: str) -> str:
     return (
         f"pip install 'jzero[gpu-compile]' 'jax-cuda12-plugin=={jaxlib}' "
