@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 LAYERS, D, F = 8, 16, 32  # 8 layers of D x F and F x D: two stacks of 8 on 8 devices
 
@@ -85,3 +86,9 @@ OPTIMIZERS = {  # name -> (make, scanned model?)
 def model(scanned: bool) -> tuple:
     """``(params, loss)`` of the scanned or the unrolled model."""
     return (scanned_params(), scanned_loss) if scanned else (unrolled_params(), unrolled_loss)
+
+
+MODEL_SPECS = {  # a matrix axis of each weight over 'model', as tensor parallelism splits it
+    False: lambda p: {k: {"up": P(None, "model"), "down": P("model"), "b": P()} for k in p},
+    True: lambda p: {"up": P(None, None, "model"), "down": P(None, "model"), "b": P()},
+}

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from _matrices import OPTIMIZERS, batches, model, scanned_params, unrolled_params
+from _matrices import MODEL_SPECS, OPTIMIZERS, batches, model, scanned_params, unrolled_params
 from _models import OPTIMIZERS as ELEMENTWISE
 from _models import assert_each_step_is_optax, awkward_params, record
+from jax.sharding import AxisType
 
 import jzero
 
@@ -27,12 +28,12 @@ CASES = [
 ]
 
 
-@pytest.mark.every_case  # each (optimizer, stage) is a claim of the issue
-@pytest.mark.parametrize(("name", "stage"), CASES)
-def test_each_step_is_single_device_optax(name, stage):
+def _each_step_is_optax(name: str, mesh, **config) -> tuple:
+    """A 3-step run of ``OPTIMIZERS[name]`` on ``mesh``, checked against single-device
+    Optax at every step; its final state and trajectory."""
     make, scanned = OPTIMIZERS[name]
     params, loss = model(scanned)
-    opt = jzero.ZeroOptimizer(make(), jzero.data_mesh(), stage=stage)
+    opt = jzero.ZeroOptimizer(make(), mesh, **config)
     train_step = opt.train_step(loss)
 
     def step(state, batch):
@@ -41,8 +42,15 @@ def test_each_step_is_single_device_optax(name, stage):
 
     whole = lambda state: (opt.full_params(state), opt.full_state(state).opt_state)
     data = batches(3)
-    _, trajectory = record(step, opt.init(params), whole, data)
+    state, trajectory = record(step, opt.init(params), whole, data)
     assert_each_step_is_optax(make(), loss, trajectory, data)
+    return state, trajectory
+
+
+@pytest.mark.every_case  # each (optimizer, stage) is a claim of the issue
+@pytest.mark.parametrize(("name", "stage"), CASES)
+def test_each_step_is_single_device_optax(name, stage):
+    _, trajectory = _each_step_is_optax(name, jzero.data_mesh(), stage=stage)
     if name.startswith("muon"):  # every weight Optax routes to Muon has Muon's momentum
         muon_state = trajectory.wholes[-1][1].inner_states["muon"].inner_state[0]
         for path, mu in jax.tree_util.tree_leaves_with_path(muon_state.mu):
@@ -144,3 +152,19 @@ def test_checkpoint_at_stage_1_on_8_restores_at_stage_3_on_4(tmp_path, name):
         jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves((want.params, want.opt_state))
     ):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("name", ["muon", "muon_scanned"])
+def test_a_model_axis_beside_data_keeps_optax_numbers(name):
+    """4 data x 2 model, each matrix split over 'model': the update still sees whole
+    matrices (single-device Optax at every step, stage 3). Along an owner axis the leaf
+    stays split over 'model', and so does a stack's (along 'data'): the compiler
+    partitions Newton-Schulz over 'model' (test_matrix_optimizer_costs.py: the FLOPs)."""
+    params, scanned = model(OPTIMIZERS[name][1])[0], OPTIMIZERS[name][1]
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    specs = MODEL_SPECS[scanned](params)
+    state, _ = _each_step_is_optax(name, mesh, stage=3, param_specs=specs)
+    leaf = state.params["up"] if scanned else state.params["l0"]["up"]
+    assert "model" in leaf.sharding.spec  # the parameters stay split over 'model'
+    update = jzero.ZeroOptimizer(OPTIMIZERS[name][0](), mesh, stage=3, param_specs=specs)
+    assert ("by dim 0" if scanned else "in stack") in update.plan(params).describe()
