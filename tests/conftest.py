@@ -95,3 +95,10 @@ def one_worker_per_file(items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def pytest_configure(config):
+    if os.environ.get("JZERO_TEST_DURATIONS"):  # scripts/test_durations.py
+        from _durations import Durations
+
+        config.pluginmanager.register(Durations(os.environ["JZERO_TEST_DURATIONS"]))
