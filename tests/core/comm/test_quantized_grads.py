@@ -16,23 +16,13 @@ from __future__ import annotations
 import functools
 import math
 
+import _lm
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _lm import (
-    BATCH,
-    LM_STEPS,
-    ON_THE_EXACT_RUN,
-    SNAPSHOTS,
-    TRAINED,
-    exact_snapshot,
-    final,
-    lm_losses,
-    sgd_step,
-    value_and_grad,
-)
+from _lm import ON_THE_EXACT_RUN, SNAPSHOTS
 from _models import stacked_batch, stacked_loss, stacked_params
 from jax.sharding import PartitionSpec as P
 
@@ -265,9 +255,10 @@ def test_quantized_gradients_at_stage_0_are_refused():
 def _lm_per_device_grads(params: dict, batch: dict) -> tuple[float, list]:
     """The example LM's loss on the whole batch, and each device's gradient of its own
     slice of the batch, on one device."""
-    per = BATCH // N
+    per = _lm.BATCH // N
     slices = [{"tokens": batch["tokens"][d * per : (d + 1) * per]} for d in range(N)]
-    return float(value_and_grad(params, batch)[0]), [value_and_grad(params, b)[1] for b in slices]
+    grads = [_lm.value_and_grad(params, b)[1] for b in slices]
+    return float(_lm.value_and_grad(params, batch)[0]), grads
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -278,8 +269,8 @@ def test_lm_step_from_the_exact_trajectory_is_within_the_summed_bound(at, dtype)
     quantized gradient reduce-scatters (sgd(1.0): its update is the reduced gradient) is
     within the summed per-device bound of the exact gradient, and its loss (forward is
     exact) is the exact loss. One step from one state: it holds on any CPU."""
-    params, batch = exact_snapshot(at)
-    opt, step = sgd_step(jzero.Communication(grad_quant=dtype))
+    params, batch = _lm.exact_snapshot(at)
+    opt, step = _lm.sgd_step(jzero.Communication(grad_quant=dtype))
     state, metrics = step(opt.init(params), batch)
     got = jax.tree.map(lambda w, w1: w - np.asarray(w1), params, opt.full_params(state))
 
@@ -307,6 +298,7 @@ def test_lm_step_from_the_exact_trajectory_is_within_the_summed_bound(at, dtype)
 def test_example_lm_trains_with_quantized_gradients(dtype):
     """200 steps with quantized gradients end below 0.7 x the first loss (tests/_lm.py:
     TRAINED)."""
-    losses = lm_losses(jzero.Communication(grad_quant=dtype))
-    assert final(losses) < TRAINED * losses[0]
-    print(f"example LM, {dtype} gradients, {LM_STEPS} steps: final loss {final(losses):.4f}")
+    losses = _lm.lm_losses(jzero.Communication(grad_quant=dtype))
+    final = _lm.final(losses)
+    assert final < _lm.TRAINED * losses[0]
+    print(f"example LM, {dtype} gradients, {_lm.LM_STEPS} steps: final loss {final:.4f}")
