@@ -9,6 +9,9 @@ persistent-cache hit counts too: it is where a compile was asked for), and is a 
 where ``jax.stages.Lowered.compile`` returned an executable for GPU devices (a compile for
 GPUs that are not there goes through ``.lower().compile()`` only). Compiles in the
 processes a test starts (the training scripts, the multi-process runs) are not counted.
+
+The recorded seconds per file (tests/durations.json) order the next runs' files, longest
+first (:func:`longest_groups_first`, applied in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ class Durations:
         self.out = Path(folder) / f"{os.getpid()}.jsonl"
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.compiles = {"cpu": 0, "gpu": 0}
-        self.started: dict[str, tuple[float, dict]] = {}
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
         self._wrap_lowered_compile()
 
@@ -59,6 +61,7 @@ class Durations:
         record = {
             "test": item.nodeid.split("@")[0],  # less xdist's group
             "seconds": round(time.perf_counter() - start, 3),
+            "ended": round(time.time(), 1),  # when, to see each worker's timeline
             **{k: self.compiles[k] - before[k] for k in self.compiles},
         }
         with self.out.open("a") as f:
@@ -69,3 +72,36 @@ def _on_gpus(compiled) -> bool:
     shardings = jax.tree.leaves(compiled.input_shardings)
     devices = next((s.device_set for s in shardings if hasattr(s, "device_set")), set())
     return any(d.platform == "gpu" for d in devices)
+
+
+def recorded(path: str) -> dict[str, float]:
+    """Seconds per test file of the last recorded run (scripts/test_durations.py writes
+    them to tests/durations.json); empty where there is none."""
+    try:
+        with open(path) as f:
+            return json.load(f)["seconds_per_file"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def longest_groups_first(items, seconds: dict[str, float]) -> list:
+    """The items, their xdist groups in order of recorded time, longest first (a group the
+    record does not know first of all): scripts/test.sh runs them in that order
+    (``--no-loadscope-reorder``), so the last to start are the shortest and neither
+    worker waits long for the other at the end (LPT scheduling). A group's time is its
+    files' recorded seconds, shared among their tests (tests/durations.json)."""
+    per_file: dict[str, int] = {}
+    for item in items:
+        per_file[_file(item)] = per_file.get(_file(item), 0) + 1
+    groups: dict[str, list] = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        groups.setdefault(mark.args[0] if mark.args else mark.kwargs["name"], []).append(item)
+    cost = lambda group: sum(
+        seconds.get(_file(i), float("inf")) / per_file[_file(i)] for i in group
+    )
+    return [i for g in sorted(groups.values(), key=cost, reverse=True) for i in g]
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::")[0]

@@ -39,6 +39,7 @@ if not os.environ.get("JZERO_TEST_DEFAULT_CODEGEN"):
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_CODEGEN if f not in _flags])
 
 import _ci_tier  # noqa: E402
+import _durations  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -57,6 +58,7 @@ jax.config.update("jax_platforms", "cpu")
 # again, as without the cache. The processes tests start (the training scripts, the
 # multi-process runs, the examples) read and write the same cache through JAX's
 # environment variables: they compile the same steps as one another.
+DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
 _CACHE_VAR = "JZERO_TEST_COMPILATION_CACHE"
 _OWN_CACHE = _CACHE_VAR not in os.environ
 if _OWN_CACHE:
@@ -81,6 +83,7 @@ def pytest_collection_modifyitems(config, items):
     _ci_tier.mark_extended(items)
     if getattr(config.option, "loadgroup", False):  # --dist loadgroup (scripts/test.sh)
         one_worker_per_file(items)
+        items[:] = _durations.longest_groups_first(items, _durations.recorded(DURATIONS))
 
 
 def one_worker_per_file(items):
@@ -99,6 +102,4 @@ def one_worker_per_file(items):
 
 def pytest_configure(config):
     if os.environ.get("JZERO_TEST_DURATIONS"):  # scripts/test_durations.py
-        from _durations import Durations
-
-        config.pluginmanager.register(Durations(os.environ["JZERO_TEST_DURATIONS"]))
+        config.pluginmanager.register(_durations.Durations(os.environ["JZERO_TEST_DURATIONS"]))
