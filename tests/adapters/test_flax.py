@@ -221,7 +221,7 @@ def train_nnx(state):
     return state, losses
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=pytest.mark.smoke)])
 def test_nnx_matches_single_device(stage):
     ref_params, ref_rest, ref_losses = nnx_reference(8)
     state = jzero.nnx.TrainState.create(

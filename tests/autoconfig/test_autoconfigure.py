@@ -136,6 +136,7 @@ def _search(budget, **kwargs):
     )  # fmt: skip
 
 
+@pytest.mark.smoke  # the folder's promise: a search that compiles, runs and fits
 def test_a_search_end_to_end_chooses_a_step_that_compiles_and_runs_within_the_budget(capsys):
     choice = _search(150e3)
     _check_progress(capsys.readouterr().err, choice)

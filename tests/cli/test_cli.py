@@ -109,6 +109,7 @@ def test_bad_inputs_name_the_problem_and_the_fix(call, match):
         call()
 
 
+@pytest.mark.smoke  # python -m jzero estimate's table
 def test_cli_table(capsys):
     assert main(["estimate", "--params", "7.5e9", "--devices", "64"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -141,6 +141,7 @@ def test_batch_sizes_need_one_size():
 # ------------------------------------------------------------------ the ZeroOptimizer
 
 
+@pytest.mark.smoke  # a DeepSpeed config trains as single-device Optax
 def test_optimizer_trains_as_single_device_optax_with_small_leaves_replicated():
     threshold = 40  # elements: emb (520) and w1 (91) are sharded, the rest stays whole
     ds = load(

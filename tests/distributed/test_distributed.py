@@ -43,6 +43,7 @@ def _ok(results):
 
 
 @pytest.mark.slow  # real processes: in CI (-m ''), not in the quick default run
+@pytest.mark.smoke
 def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_path):
     out, ckpt = tmp_path / "out", str(tmp_path / "ckpt")
     _ok(run_processes(WORKER, 2, "train", str(out), ckpt, local_devices=4, timeout=300))

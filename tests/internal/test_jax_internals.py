@@ -353,6 +353,7 @@ def _everything(x, w):
     return c + ys.sum() + loop.sum() + inner.sum() + _custom_vjp(x).sum()
 
 
+@pytest.mark.smoke  # jzero's one jaxpr interpreter on this JAX
 def test_the_interpreter_re_runs_every_kind_exactly():
     """Each equation bound as traced, and each higher-order primitive rebuilt with its body
     re-run (rebind), give the function's own value and gradient, bit for bit."""

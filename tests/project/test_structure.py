@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import jzero
 
 PACKAGE = pathlib.Path(jzero.__file__).parent
@@ -49,6 +51,7 @@ def _imports() -> dict[str, set[str]]:
     return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
 
 
+@pytest.mark.smoke  # the package's floors
 def test_no_import_cycle():
     graph = _imports()
     assert "jzero.core.train_step" in graph and "jzero.core.plan" in graph  # the walk saw them

@@ -114,6 +114,7 @@ TINY = [
 ]
 
 
+@pytest.mark.smoke  # the README's main job, end to end (tiny)
 def test_train_lm_script_runs(tmp_path, capsys):
     argv = [*TINY, "--steps", "30", "--eval-every", "10", "--out", str(tmp_path)]
     with standard():  # Optax's Adam is not strict-promotion clean (see `standard`)

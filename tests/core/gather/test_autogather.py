@@ -196,7 +196,7 @@ def test_unrolled_layers_without_checkpoint_are_gathered_at_each_use():
     assert unrolled < compiled("checkpointed").memory_analysis().temp_size_in_bytes + 4 * LAYER
 
 
-@pytest.mark.parametrize("model", [*LAYERED, "unrolled"])
+@pytest.mark.parametrize("model", [*LAYERED, pytest.param("unrolled", marks=pytest.mark.smoke)])
 def test_stage3_default_step_matches_single_device_optax(model):
     state, step, full, params, loss = _setup(model, 3)
     assert_trains_as(reference(TX(), params, loss, batches()), step, state, full, batches())

@@ -129,6 +129,7 @@ def stage3():
     return opt, state, batch
 
 
+@pytest.mark.smoke  # a ZeRO step compiled for GPUs that are not there
 def test_a_zero_optimizer_step_compiles_for_the_gpus(stage3):
     opt, state, batch = stage3
     w1 = state.params["w1"]

@@ -139,7 +139,7 @@ def test_an_nnx_jit_step_with_jzero_optimizer_matches_nnx_optimizer(stage, name)
     assert divisible and all("data" in x.sharding.spec for x in divisible)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, pytest.param(3, marks=pytest.mark.smoke)])
 def test_a_linen_train_state_takes_shard_optimizer_unchanged(stage):
     import flax.linen as nn
 

@@ -41,6 +41,13 @@ import jzero
 from vendor import peer_failures as peers
 
 SUITE = "flax_nnx_optimizer"
+SMOKE = "test_jit0[2dev-stage3]"  # Flax's own jitted train step, on jzero's nnx.Optimizer
+
+
+def pytest_itemcollected(item):
+    """One case in the smoke selection (tests/README.md)."""
+    if item.name == SMOKE:
+        item.add_marker(pytest.mark.smoke)
 
 
 @pytest.hookimpl(tryfirst=True)
