@@ -100,7 +100,26 @@ def table(rows: list[dict], wall: float, command: str) -> str:
     ]
     for r in sorted(rows, key=lambda r: -r["seconds"])[:SLOWEST]:
         lines.append(f"| `{r['test']}` | {r['seconds']:.1f} | {r['cpu']} | {r['gpu']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + repeated_gpu_compiles(rows)) + "\n"
+
+
+def repeated_gpu_compiles(rows: list[dict]) -> list[str]:
+    """The GPU programs XLA compiled more than once in the run (the same lowered text for
+    the same GPUs), with the tests that compiled them."""
+    tests: dict[str, list[str]] = defaultdict(list)
+    for r in rows:
+        for program in r.get("gpu_programs", []):
+            tests[program].append(r["test"].split("/")[-1])
+    repeated = {p: t for p, t in tests.items() if len(t) > 1}
+    lines = ["", "## GPU programs compiled more than once", ""]
+    if not any("gpu_programs" in r for r in rows):
+        return lines + ["Not in this run's records (made before they held the programs)."]
+    if not repeated:
+        return lines + [f"None: {len(tests)} programs, each compiled once."]
+    lines += ["| program | compiles | tests |", "|---|---:|---|"]
+    for program, where in sorted(repeated.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"| {program} | {len(where)} | {', '.join(sorted(set(where)))} |")
+    return lines
 
 
 def main(argv: list[str]) -> None:

@@ -16,6 +16,7 @@ first (:func:`longest_groups_first`, applied in tests/conftest.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -34,6 +35,7 @@ class Durations:
         self.out = Path(folder) / f"{os.getpid()}.jsonl"
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.compiles = {"cpu": 0, "gpu": 0}
+        self.gpu_programs: list[str] = []  # the current test's, by _program
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
         self._wrap_lowered_compile()
 
@@ -47,9 +49,10 @@ class Durations:
         def counted(lowered, *args, **kwargs):
             before = self.compiles["cpu"]
             compiled = compile_(lowered, *args, **kwargs)
-            if _on_gpus(compiled):  # what XLA compiled here (not JAX's in-memory cache)
+            if _on_gpus(compiled) and self.compiles["cpu"] > before:  # XLA compiled it here
                 self.compiles["gpu"] += self.compiles["cpu"] - before
                 self.compiles["cpu"] = before
+                self.gpu_programs.append(_program(lowered, compiled))
             return compiled
 
         jax.stages.Lowered.compile = counted
@@ -57,21 +60,35 @@ class Durations:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         before, start = dict(self.compiles), time.perf_counter()
+        self.gpu_programs = []
         yield
         record = {
             "test": item.nodeid.split("@")[0],  # less xdist's group
             "seconds": round(time.perf_counter() - start, 3),
             "ended": round(time.time(), 1),  # when, to see each worker's timeline
             **{k: self.compiles[k] - before[k] for k in self.compiles},
+            "gpu_programs": self.gpu_programs,
         }
         with self.out.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
 
-def _on_gpus(compiled) -> bool:
+def _program(lowered, compiled) -> str:
+    """A GPU compile's program and target: a hash of the lowered text, the GPUs' kind and
+    count (the same key twice is the same compile made twice)."""
+    devices = _devices(compiled)
+    kind = next(iter(devices)).device_kind if devices else "?"
+    digest = hashlib.sha1(lowered.as_text().encode()).hexdigest()[:12]
+    return f"{digest} on {len(devices)} x {kind}"
+
+
+def _devices(compiled) -> set:
     shardings = jax.tree.leaves(compiled.input_shardings)
-    devices = next((s.device_set for s in shardings if hasattr(s, "device_set")), set())
-    return any(d.platform == "gpu" for d in devices)
+    return next((s.device_set for s in shardings if hasattr(s, "device_set")), set())
+
+
+def _on_gpus(compiled) -> bool:
+    return any(d.platform == "gpu" for d in _devices(compiled))
 
 
 def recorded(path: str) -> dict[str, float]:
