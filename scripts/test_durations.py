@@ -104,14 +104,22 @@ def table(rows: list[dict], wall: float, command: str) -> str:
 
 
 def repeated_gpu_compiles(rows: list[dict]) -> list[str]:
-    """The GPU programs XLA compiled more than once in the run (the same lowered text for
-    the same GPUs), with the tests that compiled them."""
+    """The GPU compiles of the same lowered text for the same GPUs in the run, with the
+    tests that made them. ``jax.jit``'s ``compiler_options`` are not in the key (JAX shows
+    them on no public object), so a repeat may be one text compiled with other options."""
     tests: dict[str, list[str]] = defaultdict(list)
     for r in rows:
         for program in r.get("gpu_programs", []):
             tests[program].append(r["test"].split("/")[-1])
     repeated = {p: t for p, t in tests.items() if len(t) > 1}
-    lines = ["", "## GPU programs compiled more than once", ""]
+    lines = [
+        "",
+        "## GPU compiles of one lowered text for the same GPUs",
+        "",
+        "jit's `compiler_options` are not in the key (no public JAX object shows them): a "
+        "repeat may be the same text compiled with other options (`pipeline_scatter`).",
+        "",
+    ]
     if not any("gpu_programs" in r for r in rows):
         return lines + ["Not in this run's records (made before they held the programs)."]
     if not repeated:

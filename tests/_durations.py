@@ -75,7 +75,8 @@ class Durations:
 
 def _program(lowered, compiled) -> str:
     """A GPU compile's program and target: a hash of the lowered text, the GPUs' kind and
-    count (the same key twice is the same compile made twice)."""
+    count. ``jax.jit``'s ``compiler_options`` are not in it (no public object shows them):
+    the same key twice is the same text, perhaps compiled with other options."""
     devices = _devices(compiled)
     kind = next(iter(devices)).device_kind if devices else "?"
     digest = hashlib.sha1(lowered.as_text().encode()).hexdigest()[:12]
