@@ -150,8 +150,9 @@ def jzero_step(
 def jzero_inputs(
     stage: int, devices: int = 8, prefetch: bool = False, pipeline_scatter: bool = False
 ) -> tuple[Any, Any, dict]:
-    """jzero's train step, its abstract state and batch: lowered and compiled again with
-    these same objects, the step's compile is JAX's cached one."""
+    """jzero's train step, its abstract state and batch. Lowered and compiled again (e.g. by
+    ``jzero.report``), the step is compiled again: JAX's compile cache does not serve a
+    new lowering for compile-only GPUs (tests/durations.md lists such repeats)."""
     mesh = _mesh(devices)
     comm = jzero.Communication(prefetch=prefetch, pipeline_scatter=pipeline_scatter)
     opt = jzero.ZeroOptimizer(optax.adamw(1e-3), mesh, stage=stage, comm=comm)
