@@ -5,7 +5,7 @@ slowest tests, in seconds and XLA compiles (CPU, and compile-only GPUs).
     python scripts/test_durations.py --smoke    # the smoke selection: tests/durations_smoke.md
     python scripts/test_durations.py --records DIR --wall SECONDS   # from a finished run
 
-Without pytest arguments it also writes tests/durations.json, each test file's seconds,
+Without --smoke it also writes tests/durations.json, each test file's seconds,
 from which tests/conftest.py orders the files of the next runs, longest first. The run
 records each test in each pytest process (tests/_durations.py, switched on by
 JZERO_TEST_DURATIONS); a folder's seconds are the sum of its tests' on the two workers,

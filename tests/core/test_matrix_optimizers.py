@@ -160,11 +160,12 @@ def test_a_model_axis_beside_data_keeps_optax_numbers(name):
     matrices (single-device Optax at every step, stage 3). Along an owner axis the leaf
     stays split over 'model', and so does a stack's (along 'data'): the compiler
     partitions Newton-Schulz over 'model' (test_matrix_optimizer_costs.py: the FLOPs)."""
-    params, scanned = model(OPTIMIZERS[name][1])[0], OPTIMIZERS[name][1]
+    scanned = OPTIMIZERS[name][1]
+    params = model(scanned)[0]
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     specs = MODEL_SPECS[scanned](params)
     state, _ = _each_step_is_optax(name, mesh, stage=3, param_specs=specs)
     leaf = state.params["up"] if scanned else state.params["l0"]["up"]
     assert "model" in leaf.sharding.spec  # the parameters stay split over 'model'
-    update = jzero.ZeroOptimizer(OPTIMIZERS[name][0](), mesh, stage=3, param_specs=specs)
-    assert ("by dim 0" if scanned else "in stack") in update.plan(params).describe()
+    opt = jzero.ZeroOptimizer(OPTIMIZERS[name][0](), mesh, stage=3, param_specs=specs)
+    assert ("by dim 0" if scanned else "in stack") in opt.plan(params).describe()

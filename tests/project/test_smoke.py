@@ -1,6 +1,7 @@
 """The smoke selection (``-m smoke``, tests/README.md): at least one test in every folder of
 tests/ that holds tests, each checking its area's main promise end to end. Its time is
-measured (`python scripts/test_durations.py -m smoke --out ...`), never asserted here."""
+measured (`python scripts/test_durations.py --smoke`: tests/durations_smoke.md), never
+asserted here."""
 
 from __future__ import annotations
 
