@@ -34,14 +34,19 @@ class CheckpointSaveError(CheckpointError):
 
 
 _OS_ERROR = re.compile(r"os_error_code=|\[Errno \d+\]")
+# tensorstore's annotations, e.g. [tensorstore_spec='{...json...}'] [source locations='...'];
+# the JSON holds no single quote, so each ends at the first "']".
+_ANNOTATION = re.compile(r"\s*\[(?!os_error_code=)[a-z_ ]+='.*?'\]")
 
 
 def storage_error_line(e: BaseException) -> str:
     """The useful part of an Orbax / tensorstore error: the line that names the OS error
-    (e.g. "File too large"; else the first line), cut after it (tensorstore appends its
-    spec and source locations) and shortened in the middle."""
+    (e.g. "File too large"; else the first line), without tensorstore's annotations (its
+    spec, which can run to kilobytes, and source locations), cut after the OS error code
+    and shortened in the middle."""
     lines = str(e).strip().split(" See full TensorStore details")[0].splitlines() or [""]
     line = next((x for x in lines if _OS_ERROR.search(x)), lines[0])
+    line = _ANNOTATION.sub("", line)
     code = re.search(r"\[os_error_code=[^\]]*\]", line)
     line = (line[: code.end()] if code else line).rstrip(".")
     return line if len(line) <= 400 else f"{line[:200]} ... {line[-200:]}"

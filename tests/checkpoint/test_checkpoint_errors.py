@@ -123,6 +123,20 @@ def test_the_os_error_is_kept_whichever_line_of_the_storage_error_names_it():
         f"Error writing: {tail}"
     )
     assert _first_line(ValueError("first line.\nsecond line")) == "first line"
+    # a failed metadata write: tensorstore puts its spec (JSON, "[]" inside) before the code
+    path = "/tmp/pytest-of-root/pytest-99/popen-gw0/test_a_failed_save_is_reported0/full"
+    json = '{"driver":"zarr","metadata":{"shape":[],"compressor":{"id":"zstd"}},' * 8 + "}"
+    spec = f"[tensorstore_spec='{json}']"
+    metadata = ValueError(
+        f'OUT_OF_RANGE: Error opening "zarr" driver: Error writing "step/.zarray" in OCDBT '
+        f'database at local file "{path}/1.orbax-checkpoint-tmp/": Failed writing: "{path}/d/0f": '
+        f"Failed to write 9 bytes to file 4: File too large {spec} [os_error_code='27']"
+    )
+    line = _first_line(metadata)
+    assert line.startswith('OUT_OF_RANGE: Error opening "zarr" driver') and line.endswith(
+        "File too large [os_error_code='27']"
+    ), line
+    assert "zstd" not in line and len(line) <= 405, line
 
 
 # ------------------------------------------------------------- two writers, one directory
