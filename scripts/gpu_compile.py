@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -101,8 +102,21 @@ def batch(mesh) -> dict:
     }
 
 
-def _figures(lower, start: float) -> Program:
-    compiled = lower().compile()
+_COMPILED: dict[tuple, Any] = {}  # (lowered text's hash, devices, jit options): compiled
+
+
+def _compile(lowered, devices: int, options: tuple = ()) -> Any:
+    """XLA's GPU compile of ``lowered``, once per program: two steps that lower to the same
+    text (the user's at stages 1 and 2, whose state keeps one layout) share it. ``options``
+    holds what jit gives XLA beside the text (``pipeline_scatter``'s compiler options)."""
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), devices, options)
+    if key not in _COMPILED:
+        _COMPILED[key] = lowered.compile()
+    return _COMPILED[key]
+
+
+def _figures(lower, start: float, devices: int, options: tuple = ()) -> Program:
+    compiled = _compile(lower(), devices, options)
     seconds = time.perf_counter() - start
     memory, text = compiled.memory_analysis(), compiled.as_text()
     overlaps = tuple(collective_overlap(text))
@@ -136,14 +150,19 @@ def activation_stacks(program: Program, devices: int = 8) -> int:
     return sum(carried == ("bf16", stack) for carried in program.carried)
 
 
-@functools.cache
 def jzero_step(
     stage: int, devices: int = 8, prefetch: bool = False, pipeline_scatter: bool = False
 ) -> Program:
     """jzero's own step (default gathering: ``manual_gather=False``)."""
+    return _jzero_step(stage, devices, prefetch, pipeline_scatter)  # one cache key per step
+
+
+@functools.cache
+def _jzero_step(stage: int, devices: int, prefetch: bool, pipeline_scatter: bool) -> Program:
     start = time.perf_counter()
     step, state, inputs = jzero_inputs(stage, devices, prefetch, pipeline_scatter)
-    return _figures(lambda: step.lower(state, inputs), start)
+    lower = lambda: step.lower(state, inputs)
+    return _figures(lower, start, devices, ("pipeline_scatter",) * pipeline_scatter)
 
 
 @functools.cache
@@ -173,7 +192,8 @@ def _jit_step(tx, loss_fn, params, mesh) -> Program:
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
     out = (*shardings, NamedSharding(mesh, P()))
     jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=out)
-    return _figures(lambda: jitted.trace(params, opt_state, batch(mesh)).lower(), start)
+    lower = lambda: jitted.trace(params, opt_state, batch(mesh)).lower()
+    return _figures(lower, start, mesh.size)
 
 
 def _abstract(specs: Any, mesh) -> Any:
@@ -181,10 +201,14 @@ def _abstract(specs: Any, mesh) -> Any:
     return jax.tree.map(at, PARAMS, specs)
 
 
-@functools.cache
 def user_step(stage: int, devices: int = 8) -> Program:
     """The user's own jit step with ``jzero.shard_optimizer`` (stage 3: parameters placed
     by ``jzero.shard_params``' layout and gathered by the model's ``jzero.gather(mesh=)``)."""
+    return _user_step(stage, devices)  # one cache key per step
+
+
+@functools.cache
+def _user_step(stage: int, devices: int) -> Program:
     mesh = _mesh(devices)
     tx = jzero.shard_optimizer(optax.adamw(1e-3), mesh, stage=stage)
     if stage == 3:

@@ -181,7 +181,9 @@ def test_the_answer_shows_the_next_larger_micro_batch_does_not_fit(h100_plan):
     configuration takes two micro-batches, and ``choice.larger`` is that same
     configuration at one, as compiled by the same GPU compiler: over the budget. (Searched
     on a ``jzero.gpu_mesh`` of the H100s passed as ``mesh=``, the way every other jzero
-    function takes a mesh: planned for as the target it is, and the notes say so.)"""
+    function takes a mesh: planned for as the target it is, and the notes say so.) The
+    one program compiled twice in this file: this search compiles its accum=1 candidate
+    again, as every search compiles its own candidates."""
     whole = h100_plan
     assert whole.chosen.config.step.grad_accum == 1 and whole.larger is None
     one = next(r for r in whole.rows if r.name == "zero2 accum=1")

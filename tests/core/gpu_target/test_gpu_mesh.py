@@ -143,6 +143,17 @@ def test_a_zero_optimizer_step_compiles_for_the_gpus(stage3):
     assert shards <= compiled.memory_analysis().argument_size_in_bytes < shards + 64  # scalars
 
 
+def test_jzero_report_reads_a_step_compiled_for_the_gpus(stage3):
+    """``jzero.report`` on an abstract state: the plan's model states against the paper's,
+    and the collectives and peak of the step as XLA compiled it for the GPUs."""
+    opt, state, batch = stage3
+    report = jzero.report(opt.train_step(_loss), state, batch)
+    assert report.devices == 8 and report.stage == 3
+    assert report.model_state_ratio == pytest.approx(1.0, rel=0.01)
+    assert report.comm_bytes["all-gather"] > 0 and report.comm_bytes["reduce-scatter"] > 0
+    assert report.peak_bytes > 0
+
+
 @pytest.mark.parametrize("gpus", ["h100:8", "h200:8x8"])
 def test_running_on_the_gpus_is_refused_before_any_work(gpus, tmp_path):
     """Every public entry that would run on the mesh's devices (place, step, read or write
