@@ -137,6 +137,11 @@ def test_the_os_error_is_kept_whichever_line_of_the_storage_error_names_it():
         "File too large [os_error_code='27']"
     ), line
     assert "zstd" not in line and len(line) <= 405, line
+    # the order tensorstore gave here (a metadata write beside a large one): the code first
+    after = ValueError(
+        str(metadata).replace(f"{spec} [os_error_code='27']", f"[os_error_code='27'] {spec}")
+    )
+    assert _first_line(after) == line
 
 
 # ------------------------------------------------------------- two writers, one directory
