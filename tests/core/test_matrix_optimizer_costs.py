@@ -26,10 +26,10 @@ import gpt  # noqa: E402  (examples/gpt.py)
 PLUGIN = importlib.util.find_spec(GPU_PLUGIN) is not None
 
 
-def _compiled(api: str, tx, stage: int, scanned: bool, mesh=None, param_specs=None):
+def _compiled(api: str, tx, stage: int, scanned: bool, mesh=None, param_specs=None, rows=16):
     params, loss = model(scanned)
     mesh = mesh or jzero.data_mesh()
-    batch = batches(1)[0]
+    batch = batches(1, batch_size=rows)[0]
     if api == "zero":
         opt = jzero.ZeroOptimizer(tx, mesh, stage=stage, param_specs=param_specs)
         return opt.train_step(loss).lower(opt.init(params), batch).compile()
@@ -79,8 +79,11 @@ def test_muon_beside_a_model_axis_does_its_share_of_the_flops(scanned):
     muon = OPTIMIZERS["muon_scanned" if scanned else "muon"][0]()
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     specs = MODEL_SPECS[scanned](model(scanned)[0])
-    got = _compiled("zero", muon, 3, scanned, mesh, specs).as_text()
-    base = _compiled("zero", optax.adamw(1e-2), 3, scanned, mesh, specs).as_text()
+    # 32 rows: another program than the step test_matrix_optimizers.py runs on this mesh.
+    # That step, read back from JAX's persistent compilation cache (tests/conftest.py) and
+    # run, aborted the process in 4 of 12 tries on jax 0.12.0.1 (0 of 12 with the cache off)
+    got = _compiled("zero", muon, 3, scanned, mesh, specs, rows=32).as_text()
+    base = _compiled("zero", optax.adamw(1e-2), 3, scanned, mesh, specs, rows=32).as_text()
     assert dot_flops(got) - dot_flops(base) <= 1.25 * _share(scanned)
     assert comm_bytes(got)["total"] <= 1.5 * comm_bytes(base)["total"]
 
